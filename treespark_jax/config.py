@@ -1,0 +1,115 @@
+"""Frozen, hashable configuration dataclasses (safe to pass as static jit arguments)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Family = Literal["llama", "qwen2", "qwen3"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only target (Llama / Qwen2 / Qwen3 families).
+
+    Every field is read from the checkpoint (``config.json`` or GGUF metadata); nothing here
+    has a silent default that could differ from the checkpoint (RoPE base, norm epsilon, head
+    dim, tied embeddings).
+
+    Attributes:
+      family: ``"llama"`` (SmolLM2, Llama), ``"qwen2"`` (q/k/v bias) or ``"qwen3"`` (q/k RMSNorm).
+      vocab_size: V, number of token ids.
+      d_model: D, residual width.
+      n_layers: L, number of decoder layers.
+      n_heads: H, query heads.
+      n_kv_heads: K, key/value heads (grouped-query attention when K < H).
+      head_dim: E, per-head width (need not equal D / H).
+      mlp_dim: F, SwiGLU hidden width.
+      rope_theta: RoPE base frequency.
+      rms_eps: RMSNorm epsilon.
+      tie_embeddings: the LM head is the transposed token embedding.
+      max_positions: context length the checkpoint was trained for (tokens).
+      qkv_bias: q/k/v projections carry a bias (Qwen2).
+      qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+    """
+
+    family: Family
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float
+    rms_eps: float
+    tie_embeddings: bool
+    max_positions: int
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"model family {self.family!r} is not supported; expected one of {FAMILIES}.")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}."
+            )
+
+    @classmethod
+    def for_family(cls, family: Family, **fields) -> "ModelConfig":
+        """Builds a config with the family switches (``qkv_bias``, ``qk_norm``) implied by ``family``."""
+        return cls(family=family, qkv_bias=family == "qwen2", qk_norm=family == "qwen3", **fields)
+
+
+BUILDERS: tuple[str, ...] = ("chain", "marginal", "parent_conditioned", "treespark")
+VERIFY_RULES: tuple[str, ...] = ("match", "rejection")
+
+
+def default_ladder(budget: int) -> tuple[int, ...]:
+    """Verify sizes ``N/8, N/4, N/2, N`` (rounded up, deduplicated, at least 1) for budget ``N``."""
+    return tuple(sorted({max(1, -(-budget // k)) for k in (8, 4, 2, 1)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """Static shape and policy of a draft tree (DESIGN.md §1.2, §1.5).
+
+    Attributes:
+      budget: N, drafted nodes per round (anchor not counted), the static tree size.
+      max_depth: deepest node depth (anchor = depth 0); at most the drafter's block size.
+      branch: most children a node may get.
+      builder: one of ``BUILDERS``.
+      verify: rule used when sampling (temp > 0): ``"match"`` (any tree) or ``"rejection"``
+        (recursive rejection; children are then sampled without replacement). Greedy decoding
+        always verifies with the greedy rule.
+      ladder: verify sizes the round may choose from (ascending, last = ``budget``); empty means
+        ``default_ladder(budget)``.
+
+    Raises:
+      ValueError: on a non-positive budget/depth/branch, an unknown builder or rule, or a ladder
+        that is not ascending or does not end at ``budget``.
+    """
+
+    budget: int = 16
+    max_depth: int = 8
+    branch: int = 4
+    builder: str = "treespark"
+    verify: str = "rejection"
+    ladder: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("budget", "max_depth", "branch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        if self.builder not in BUILDERS:
+            raise ValueError(f"builder {self.builder!r} is unknown; expected one of {BUILDERS}.")
+        if self.verify not in VERIFY_RULES:
+            raise ValueError(f"verify rule {self.verify!r} is unknown; expected one of {VERIFY_RULES}.")
+        ladder = self.ladder or default_ladder(self.budget)
+        if list(ladder) != sorted(set(ladder)) or ladder[-1] != self.budget or ladder[0] < 1:
+            raise ValueError(
+                f"ladder {ladder} must be strictly ascending positive sizes ending at budget={self.budget}."
+            )
+        object.__setattr__(self, "ladder", tuple(ladder))

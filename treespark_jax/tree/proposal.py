@@ -1,0 +1,105 @@
+"""The Proposal pytree: everything a tree builder and a verifier need from a drafter.
+
+A drafter pass over the block (slot 0 = anchor, slot j predicts the token at depth j+1) yields,
+per depth, a candidate pool of ``M`` tokens with base logits ``U_j``; a rank-``R`` Markov bias
+``A(t, x) = E[t] · W[:, x]`` makes the child distribution parent-conditioned, and an edge head
+scores P(child accepted | parent accepted). DESIGN.md §1.1; DSpark (Markov head, confidence),
+TreeSpark (edge head).
+
+The two functions below are the single definition of the draft distribution: builders draw
+from ``child_logits`` and the recursive-rejection verifier recomputes the same values from it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from treespark_jax.typing import Array, Float, Int
+
+
+@struct.dataclass
+class Proposal:
+    """Drafter output for one round, for every batch row.
+
+    Attributes:
+      pool_ids: ``[B, P, M]`` int32 candidate token ids; ``pool_ids[:, j]`` are the candidates
+        for depth ``j + 1``.
+      pool_logits: ``[B, P, M]`` float base logits ``U_j`` at the pool ids; ``-inf`` marks a slot
+        that is not a candidate (never admitted to a tree).
+      markov_parent: ``[V, R]`` float, ``E`` of the Markov head (``R = 0``: no Markov head).
+      markov_child: ``[B, P, R, M]`` float, ``W[:, pool_ids]`` per depth.
+      edge_scale: ``[P]`` float, ``a_j`` of the edge head (Platt slope on ``log q``).
+      edge_bias: ``[B, P]`` float, ``b + w_h · h_j``.
+      edge_parent: ``[V]`` float, ``w_t · E[t]`` for every parent token ``t``.
+      edge_child: ``[B, P, M]`` float, ``w_x · E[x]`` at the pool ids.
+      hidden: ``[B, P, D]`` float drafter hidden states ``h_j`` (for logging and heads).
+    """
+
+    pool_ids: Int[Array, "B P M"]
+    pool_logits: Float[Array, "B P M"]
+    markov_parent: Float[Array, "V R"]
+    markov_child: Float[Array, "B P R M"]
+    edge_scale: Float[Array, "P"]
+    edge_bias: Float[Array, "B P"]
+    edge_parent: Float[Array, "V"]
+    edge_child: Float[Array, "B P M"]
+    hidden: Float[Array, "B P D"]
+
+    @property
+    def block_size(self) -> int:
+        """P, the number of depths the proposal covers."""
+        return self.pool_ids.shape[1]
+
+    @property
+    def pool_size(self) -> int:
+        """M, candidates per depth."""
+        return self.pool_ids.shape[2]
+
+
+def child_logits(proposal: Proposal, depth: Int[Array, "B X"], parent_token: Int[Array, "B X"]
+                 ) -> Float[Array, "B X M"]:
+    """Unnormalised draft logits over the depth's pool for children of ``X`` parents per row.
+
+    ``q_depth(x | t) = softmax_pool(U_{depth-1}[x] + A(t, x))`` (DESIGN.md §1.1). Temperature and
+    top-p are applied by the caller, identically for draft and target.
+
+    Args:
+      proposal: the round's Proposal.
+      depth: ``[B, X]`` int32 depth of the children, in ``1..P`` (the parent is at ``depth - 1``;
+        depth 1 children hang off the anchor).
+      parent_token: ``[B, X]`` int32 token held by each parent.
+
+    Returns:
+      ``[B, X, M]`` logits aligned with ``pool_ids[:, depth - 1]``; ``-inf`` for non-candidates.
+    """
+    slot = depth - 1
+    base = jnp.take_along_axis(proposal.pool_logits, slot[..., None], axis=1)  # [B, X, M]
+    w = jax.vmap(lambda mc, s: mc[s])(proposal.markov_child, slot)  # [B, X, R, M]
+    e = proposal.markov_parent[parent_token]  # [B, X, R]
+    return base + jnp.einsum("BXR,BXRM->BXM", e, w)
+
+
+def child_pool_ids(proposal: Proposal, depth: Int[Array, "B X"]) -> Int[Array, "B X M"]:
+    """Token ids of the pool at ``depth`` (1-based), aligned with ``child_logits``."""
+    return jnp.take_along_axis(proposal.pool_ids, (depth - 1)[..., None], axis=1)
+
+
+def edge_logits(proposal: Proposal, depth: Int[Array, "B X"], parent_token: Int[Array, "B X"]
+                ) -> Float[Array, "B X M"]:
+    """Edge-head logits ``logit e(x | t)`` for every pool child of ``X`` parents per row.
+
+    ``e_j(x | t) = σ(a_j · log q_{j+1}(x | t) + w · [h_j ; E[t] ; E[x]] + b)`` with ``j = depth - 1``
+    (TreeSpark edge head, DESIGN.md §1.1). With ``w = 0`` this is Platt scaling of ``q``.
+
+    Returns:
+      ``[B, X, M]`` float logits; non-candidates get ``-inf``.
+    """
+    slot = depth - 1
+    logq = jax.nn.log_softmax(child_logits(proposal, depth, parent_token), axis=-1)
+    a = proposal.edge_scale[slot][..., None]  # [B, X, 1]
+    bias = jnp.take_along_axis(proposal.edge_bias, slot, axis=1)[..., None]
+    child = jnp.take_along_axis(proposal.edge_child, slot[..., None], axis=1)
+    out = a * logq + bias + proposal.edge_parent[parent_token][..., None] + child
+    return jnp.where(jnp.isfinite(logq), out, -jnp.inf)
