@@ -1,0 +1,48 @@
+"""Autoregressive KV-cached decoding: the baseline every speedup is measured against."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from treespark_jax.decode.state import STREAM_TARGET_SAMPLE, GenState, Requests, append_tokens, row_keys
+from treespark_jax.models.decoder import Decoder
+from treespark_jax.sampling import sample_token
+from treespark_jax.typing import Array, Bool, Int
+
+
+def decode_mask(lengths: Int[Array, "B"], capacity: int) -> Bool[Array, "B 1 S"]:
+    """One new token per row at slot ``lengths[b]``: it sees every committed slot and itself."""
+    return (jnp.arange(capacity)[None, None, :] <= lengths[:, None, None])
+
+
+def ar_step(model: Decoder, state: GenState, requests: Requests, greedy: bool) -> GenState:
+    """Feeds each row's anchor (last emitted token) and emits the next token.
+
+    Finished rows still run (shapes are static) but neither advance their cache nor emit.
+    """
+    cache = state.cache
+    positions = cache.lengths[:, None]
+    output = model(state.anchor[:, None], positions, decode_mask(cache.lengths, cache.capacity), cache)
+    logits = model.logits(output.hidden)[:, 0]
+    token = sample_token(row_keys(requests, STREAM_TARGET_SAMPLE, state.n_out), logits,
+                         requests.temp, requests.top_p, greedy)
+    advance = (~state.done).astype(jnp.int32)
+    state = state.replace(cache=output.cache.replace(lengths=cache.lengths + advance),
+                          anchor=jnp.where(state.done, state.anchor, token), steps=state.steps + 1)
+    state, _ = append_tokens(state, token[:, None], jnp.ones_like(advance), requests)
+    return state
+
+
+def ar_loop(model: Decoder, state: GenState, requests: Requests, stop_after: Int[Array, ""],
+            greedy: bool) -> GenState:
+    """Runs ``ar_step`` on device until every row is done or ``steps`` reaches ``stop_after``.
+
+    ``stop_after`` is an array, so a streaming caller can advance the same compiled loop a
+    chunk at a time.
+    """
+
+    def cond(s: GenState):
+        return jnp.any(~s.done) & (s.steps < stop_after)
+
+    return jax.lax.while_loop(cond, lambda s: ar_step(model, s, requests, greedy), state)

@@ -1,0 +1,101 @@
+"""On-device generation state shared by autoregressive and speculative decoding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.typing import Array, Bool, Float, Int, PRNGKeyArray
+
+# Purposes folded into a request's key, so each use of randomness is an independent stream.
+STREAM_TARGET_SAMPLE = 0
+STREAM_DRAFT = 1
+STREAM_ACCEPT = 2
+STREAM_RESIDUAL = 3
+
+
+@struct.dataclass
+class Requests:
+    """Per-row request settings (arrays, so changing them never recompiles).
+
+    Attributes:
+      temp: ``[B]`` float temperature (ignored by greedy programs).
+      top_p: ``[B]`` float nucleus mass in ``(0, 1]``.
+      keys: ``[B]`` PRNG keys, one per request (from its seed), never from its batch position.
+      max_new: ``[B]`` int32 cap on emitted tokens.
+      stop_ids: ``[X]`` int32 end-of-sequence ids (merged from every source by the tokenizer).
+    """
+
+    temp: Float[Array, "B"]
+    top_p: Float[Array, "B"]
+    keys: PRNGKeyArray
+    max_new: Int[Array, "B"]
+    stop_ids: Int[Array, "X"]
+
+
+@struct.dataclass
+class GenState:
+    """Everything the decode loop carries from one step (or round) to the next.
+
+    Attributes:
+      cache: target KV cache; ``lengths`` = committed tokens per row.
+      anchor: ``[B]`` int32 last emitted token, whose K/V is not yet in the cache.
+      out: ``[B, O]`` int32 emitted tokens (``O`` = output bucket), 0 after ``n_out``.
+      n_out: ``[B]`` int32 tokens emitted so far (the EOS token counts, nothing after it).
+      done: ``[B]`` bool, row finished (EOS, length cap, or a padded batch row).
+      steps: ``[]`` int32 target forwards after prefill (AR steps or verify rounds).
+    """
+
+    cache: KVCache
+    anchor: Int[Array, "B"]
+    out: Int[Array, "B O"]
+    n_out: Int[Array, "B"]
+    done: Bool[Array, "B"]
+    steps: Int[Array, ""]
+
+
+def row_keys(requests: Requests, purpose: int, counter: Int[Array, "B"]) -> PRNGKeyArray:
+    """Per-row keys for one use: ``fold_in(fold_in(request_key, purpose), counter)``.
+
+    ``counter`` is a per-row quantity such as the number of tokens emitted so far, so the
+    randomness a row sees depends only on its own request and progress.
+    """
+    return jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, purpose), c))(
+        requests.keys, counter)
+
+
+def append_tokens(state: GenState, new: Int[Array, "B X"], n_new: Int[Array, "B"],
+                  requests: Requests) -> tuple[GenState, Int[Array, "B"]]:
+    """Emits up to ``n_new[b]`` leading tokens of ``new[b]`` per row.
+
+    The stop check comes before the length cap: a stop token inside ``new`` ends the row there
+    (the stop token is emitted, nothing after it), then at most ``max_new - n_out`` tokens are
+    kept. Finished rows emit nothing.
+
+    Args:
+      state: current state (only ``out``, ``n_out`` and ``done`` change).
+      new: ``[B, X]`` int32 candidate tokens in order.
+      n_new: ``[B]`` int32 how many leading entries of ``new`` are real.
+      requests: per-row caps and stop ids.
+
+    Returns:
+      ``(state, kept)`` with ``kept [B]`` int32 the number of tokens actually emitted per row.
+    """
+    x = new.shape[1]
+    idx = jnp.arange(x, dtype=jnp.int32)[None, :]
+    real = idx < n_new[:, None]
+    is_stop = jnp.isin(new, requests.stop_ids) & real
+    first_stop = jnp.min(jnp.where(is_stop, idx, x), axis=1)
+    kept = jnp.minimum(n_new, first_stop + 1)
+    kept = jnp.minimum(kept, requests.max_new - state.n_out)
+    kept = jnp.where(state.done, 0, jnp.maximum(kept, 0))
+    write = idx < kept[:, None]
+    cols = jnp.where(write, state.n_out[:, None] + idx, state.out.shape[1])
+    rows = jnp.broadcast_to(jnp.arange(new.shape[0])[:, None], new.shape)
+    out = state.out.at[rows, cols].set(new, mode="drop")
+    n_out = state.n_out + kept
+    stopped = jnp.any(is_stop & write, axis=1)
+    done = state.done | stopped | (n_out >= requests.max_new)
+    return state.replace(out=out, n_out=n_out, done=done), kept

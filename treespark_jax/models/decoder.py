@@ -1,0 +1,163 @@
+"""One Flax NNX decoder for the Llama (SmolLM2), Qwen2 and Qwen3 families.
+
+Layers are stored stacked (leading ``L`` axis) and run with ``lax.scan``, so the compiled
+program holds one layer body whatever the depth (short compiles, one graph per shape). The
+call takes explicit positions and a boolean mask, which is all tree verification needs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from treespark_jax.config import ModelConfig
+from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.models.layers import attention, rms_norm, rope, swiglu
+from treespark_jax.models.weights import check_weights, expected_shapes
+from treespark_jax.typing import Array, Bool, Float, Int
+
+
+def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """Per-layer weight names (without the ``layers.i.`` prefix) for ``cfg``'s family."""
+    return tuple(n.split(".", 2)[2] for n in expected_shapes(cfg) if n.startswith("layers.0."))
+
+
+@struct.dataclass
+class DecoderOutput:
+    """Result of one decoder call.
+
+    Attributes:
+      hidden: ``[B, T, D]`` final-norm hidden states (LM-head inputs).
+      features: ``[B, T, m·D]`` outputs of the requested decoder layers concatenated in the
+        requested order, or ``None`` when none were requested.
+      cache: the cache with the ``T`` new keys/values written at slots ``lengths + t``
+        (``lengths`` unchanged: committing is the caller's decision).
+    """
+
+    hidden: Float[Array, "B T D"]
+    features: Float[Array, "B T X"] | None
+    cache: KVCache
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers' weights, stacked along a leading ``L`` axis."""
+
+    def __init__(self, cfg: ModelConfig, arrays: dict[str, jax.Array]):
+        for name in layer_param_names(cfg):
+            setattr(self, name, nnx.Param(arrays[name]))
+
+    def stacked(self, cfg: ModelConfig) -> dict[str, jax.Array]:
+        """Name → ``[L, ...]`` array view of the weights."""
+        return {name: getattr(self, name)[...] for name in layer_param_names(cfg)}
+
+
+class Decoder(nnx.Module):
+    """Decoder-only transformer target: GQA attention, RoPE, RMSNorm, SwiGLU, tied/untied head.
+
+    Args:
+      cfg: architecture (read from the checkpoint).
+      weights: canonical weight dictionary (see ``models/weights.py``).
+      dtype: compute and storage dtype (float32 on CPU; bfloat16 on GPU/TPU; float64 in tests).
+
+    Raises:
+      ValueError: when ``weights`` does not match ``cfg`` (names the array).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype=jnp.float32):
+        check_weights(cfg, weights)
+        self.cfg = cfg
+        self.dtype = dtype
+
+        def cast(a):
+            return jnp.asarray(np.asarray(a), dtype)
+
+        self.embed = nnx.Param(cast(weights["embed"]))
+        self.final_norm = nnx.Param(cast(weights["final_norm"]))
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Param(cast(weights["lm_head"]))
+        stacked = {
+            name: cast(np.stack([np.asarray(weights[f"layers.{i}.{name}"]) for i in range(cfg.n_layers)]))
+            for name in layer_param_names(cfg)
+        }
+        self.layers = DecoderLayers(cfg, stacked)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, std: float = 0.02, dtype=jnp.float32) -> "Decoder":
+        """A randomly initialised decoder (normal weights of ``std``, norm scales near 1)."""
+        rng = np.random.default_rng(seed)
+        weights = {}
+        for name, shape in expected_shapes(cfg).items():
+            if "norm" in name:
+                weights[name] = 1.0 + 0.1 * rng.standard_normal(shape)
+            else:
+                weights[name] = std * rng.standard_normal(shape)
+        return cls(cfg, weights, dtype)
+
+    def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                 mask: Bool[Array, "B T S"], cache: KVCache, layer_ids: tuple[int, ...] = ()
+                 ) -> DecoderOutput:
+        """Runs ``T`` new tokens per row against the cache.
+
+        The new keys/values are written at slots ``cache.lengths[b] + t`` before attention, so
+        ``mask[b, t, s]`` addresses those slots too (a new row attends to itself through its own
+        slot). Slots beyond the capacity are dropped: callers check capacity up front.
+
+        Args:
+          tokens: ``[B, T]`` int32 token ids.
+          positions: ``[B, T]`` int32 RoPE positions (tokens from the sequence start).
+          mask: ``[B, T, S]`` bool, True where query ``t`` may attend to cache slot ``s``; every
+            row needs at least one True.
+          cache: the KV cache (``S`` = capacity).
+          layer_ids: static 0-based decoder layers whose outputs to return as features (layer
+            ``l`` = output of decoder layer ``l``, not an embeddings-first list).
+
+        Returns:
+          ``DecoderOutput`` with final-norm hidden states, selected-layer features and the cache.
+        """
+        cfg = self.cfg
+        b, t = tokens.shape
+        x = self.embed[...][tokens]
+        slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        params = self.layers.stacked(cfg)
+
+        def layer(carry, xs):
+            x, k_all, v_all = carry
+            p, li = xs
+            h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
+            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            if cfg.qkv_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
+            k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+            v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, p["q_norm"], cfg.rms_eps)
+                k = rms_norm(k, p["k_norm"], cfg.rms_eps)
+            q = rope(q, positions, cfg.rope_theta)
+            k = rope(k, positions, cfg.rope_theta)
+            k_all = k_all.at[li, rows, slots].set(k.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[li, rows, slots].set(v.astype(v_all.dtype), mode="drop")
+            attn = attention(q, k_all[li], v_all[li], mask)
+            x = x + attn.reshape(b, t, -1) @ p["wo"]
+            h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
+            x = x + swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+            return (x, k_all, v_all), (x if layer_ids else None)
+
+        (x, k_all, v_all), per_layer = jax.lax.scan(
+            layer, (x, cache.k, cache.v), (params, jnp.arange(cfg.n_layers, dtype=jnp.int32)))
+        features = None
+        if layer_ids:
+            chosen = per_layer[jnp.asarray(layer_ids)]  # [m, B, T, D]
+            features = jnp.moveaxis(chosen, 0, 2).reshape(b, t, -1)
+        hidden = rms_norm(x, self.final_norm[...], cfg.rms_eps)
+        return DecoderOutput(hidden=hidden, features=features,
+                             cache=cache.replace(k=k_all, v=v_all))
+
+    def logits(self, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """LM-head logits of final-norm hidden states (tied head = transposed embedding)."""
+        if self.cfg.tie_embeddings:
+            return jnp.einsum("BTD,VD->BTV", hidden, self.embed[...])
+        return hidden @ self.lm_head[...]

@@ -1,0 +1,58 @@
+"""Pure building blocks of the decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from treespark_jax.typing import Array, Bool, Float, Int
+
+
+def rms_norm(x: Float[Array, "... D"], scale: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
+    """RMSNorm (Zhang & Sennrich, 2019), computed in float32 and cast back to ``x.dtype``."""
+    x32 = x.astype(jnp.float32) if x.dtype != jnp.float64 else x
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype) * scale
+
+
+def rope(x: Float[Array, "B T X E"], positions: Int[Array, "B T"], theta: float) -> Float[Array, "B T X E"]:
+    """Rotary position embedding (Su et al., RoFormer) in the Hugging Face ``rotate_half`` layout.
+
+    Args:
+      x: ``[B, T, X, E]`` queries or keys (X heads, E even).
+      positions: ``[B, T]`` int32 absolute positions (tokens).
+      theta: RoPE base frequency, from the checkpoint.
+    """
+    half = x.shape[-1] // 2
+    ftype = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=ftype) * 2 / x.shape[-1]))
+    angles = positions.astype(ftype)[..., None] * inv_freq  # [B, T, E/2]
+    cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[Array, "B S K E"],
+              mask: Bool[Array, "B T S"]) -> Float[Array, "B T H E"]:
+    """Grouped-query softmax attention with an explicit boolean mask (True = may attend).
+
+    Scores and softmax run in float32 (float64 when the inputs are float64). Every query row
+    must have at least one True in ``mask`` (the caller lets padding rows attend to themselves).
+    """
+    b, t, h, e = q.shape
+    kv = k.shape[2]
+    acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    qg = q.reshape(b, t, kv, h // kv, e)
+    scores = jnp.einsum("BTKGE,BSKE->BKGTS", qg, k, preferred_element_type=acc) / jnp.sqrt(
+        jnp.asarray(e, acc))
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(acc).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKE->BTKGE", probs, v)
+    return out.reshape(b, t, h, e)
+
+
+def swiglu(x: Float[Array, "B T D"], w_gate: Float[Array, "D F"], w_up: Float[Array, "D F"],
+           w_down: Float[Array, "F D"]) -> Float[Array, "B T D"]:
+    """SwiGLU MLP (Shazeer, 2020): ``(silu(x W_gate) * x W_up) W_down``."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
