@@ -1,0 +1,105 @@
+"""Autoregressive generation: greedy equals a cache-free reference, EOS, caps, compiles, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from treespark_jax.decode import engine as engine_mod
+from treespark_jax.decode.engine import Engine
+from treespark_jax.decode.prefill import prefill_mask
+from treespark_jax.models.kv_cache import KVCache
+
+from tiny import tiny_decoder
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13], [7]]
+
+
+@pytest.fixture(scope="module")
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="module")
+def model(x64):
+    return tiny_decoder("qwen3", seed=1)
+
+
+def reference_greedy(model, prompt, n):
+    """Greedy decoding that recomputes the whole sequence every step (no KV cache)."""
+    toks = list(prompt)
+    for _ in range(n):
+        t = len(toks)
+        out = model(jnp.asarray([toks]), jnp.arange(t)[None], prefill_mask(jnp.asarray([t]), t, t),
+                    KVCache.zeros(model.cfg, 1, t, model.dtype))
+        toks.append(int(jnp.argmax(model.logits(out.hidden)[0, -1])))
+    return toks[len(prompt):]
+
+
+def test_greedy_batch_equals_cache_free_reference(model):
+    ids, stats = Engine(model, stop_ids=[]).generate(PROMPTS, 12)
+    for prompt, got in zip(PROMPTS, ids):
+        assert got == reference_greedy(model, prompt, 12)
+    assert stats.new_tokens == 36 and stats.target_forwards == 12
+
+
+def test_eos_ends_only_its_row_and_is_emitted_last(model):
+    free, _ = Engine(model, stop_ids=[]).generate(PROMPTS, 12)
+    stop = free[0][4]
+    assert stop not in free[0][:4]
+    ids, stats = Engine(model, stop_ids=[stop]).generate(PROMPTS, 12)
+    assert ids[0] == free[0][:5]
+    for got, ref in zip(ids[1:], free[1:]):
+        cut = ref.index(stop) + 1 if stop in ref else len(ref)
+        assert got == ref[:cut]
+    assert stats.new_tokens == sum(len(x) for x in ids)
+
+
+@pytest.mark.parametrize("n", [1, 5, 17])
+def test_max_new_tokens_is_exact(model, n):
+    ids, _ = Engine(model, stop_ids=[]).generate(PROMPTS, n)
+    assert [len(x) for x in ids] == [n] * len(PROMPTS)
+
+
+def test_decode_loop_compiles_once_for_256_tokens_and_prefill_once_per_bucket(model):
+    eng = Engine(model, stop_ids=[])
+    eng.generate([[3, 1, 4]], 256)  # warm: one prefill and one loop program for these buckets
+    prefill_before = engine_mod._prefill_program._cache_size()
+    loop_before = engine_mod._ar_program._cache_size()
+    ids, stats = eng.generate([[2, 7, 1, 8, 2, 8]], 256)  # other length, same prompt bucket
+    assert len(ids[0]) == 256 and stats.target_forwards == 256
+    assert stats.compiles == 0
+    assert engine_mod._prefill_program._cache_size() == prefill_before
+    assert engine_mod._ar_program._cache_size() == loop_before
+
+
+def test_sampling_row_does_not_depend_on_its_batch(model):
+    eng = Engine(model, stop_ids=[])
+    batch, _ = eng.generate(PROMPTS, 10, temp=1.0, top_p=0.9, seed=[11, 12, 13])
+    alone, _ = eng.generate([PROMPTS[1]], 10, temp=1.0, top_p=0.9, seed=[12])
+    assert batch[1] == alone[0]
+    other, _ = eng.generate([PROMPTS[1]], 10, temp=1.0, top_p=0.9, seed=[99])
+    assert other[0] != alone[0]
+
+
+def test_stream_yields_the_same_tokens_as_generate(model):
+    eng = Engine(model, stop_ids=[])
+    chunks = list(eng.stream(PROMPTS[1], 20))
+    assert len(chunks) > 1
+    assert sum(chunks, []) == eng.generate([PROMPTS[1]], 20)[0][0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[[]]), "prompt 0 is empty"),
+    (dict(prompts=[[1] * 500]), "more than the model's context of 512 tokens"),
+    (dict(max_new_tokens=0), "max_new_tokens=0 must be at least 1"),
+    (dict(temp=-0.5), "temperature -0.5 is negative"),
+    (dict(top_p=0.0), "top_p=0.0 is outside (0, 1]"),
+    (dict(top_p=1.5), "top_p=1.5 is outside (0, 1]"),
+])
+def test_bad_requests_raise_one_sentence(model, kwargs, message):
+    args = dict(prompts=[[1, 2]], max_new_tokens=20, temp=0.0, top_p=1.0) | kwargs
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Engine(model, stop_ids=[]).generate(**args)

@@ -1,0 +1,115 @@
+"""The Python API in a few names: ``load``, then ``generate`` / ``stream`` on what it returns.
+
+Example::
+
+    import treespark_jax as ts
+    lm = ts.load("smollm2-135m")
+    result = lm.generate("Write a haiku about trees.", chat=True, max_new_tokens=64)
+    print(result.text, result.stats.tokens_per_s)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from treespark_jax.decode.engine import Engine, GenerationStats
+from treespark_jax.models.load import Target, load_target
+from treespark_jax.models.presets import DEFAULT_PRESET
+from treespark_jax.models.tokenizer import StreamDecoder
+from treespark_jax.runtime import enable_compilation_cache
+
+METHODS: tuple[str, ...] = ("ar",)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One prompt's generation.
+
+    Attributes:
+      prompt: the prompt text as given.
+      prompt_ids: token ids the target saw (after the chat template, if any).
+      token_ids: generated ids (ending at a stop token or at ``max_new_tokens``).
+      text: generated text (special tokens skipped).
+      stats: measurements of the call that produced it (shared by a batch).
+    """
+
+    prompt: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    stats: GenerationStats
+
+
+class TreeSpark:
+    """A loaded target with its tokenizer, ready to generate. Create it with ``load``."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.engine = Engine(target.model, target.tokenizer.stop_ids)
+
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids for ``prompt``: raw text, or one user turn through the chat template."""
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompt: str | list[str], *, chat: bool = False, max_new_tokens: int = 128,
+                 temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar"
+                 ) -> GenerationResult | list[GenerationResult]:
+        """Generates a reply for one prompt or a batch.
+
+        Args:
+          prompt: text, or a list of texts generated as one batch.
+          chat: wrap each prompt as a user turn of the checkpoint's chat template.
+          max_new_tokens: cap on generated tokens per prompt (≥ 1).
+          temp: temperature (0 = greedy).
+          top_p: nucleus mass in ``(0, 1]``.
+          seed: request seed; prompt ``i`` of a batch uses ``seed + i``.
+          method: decoding method, one of ``METHODS``.
+
+        Returns:
+          A ``GenerationResult`` (a list of them for a list of prompts).
+
+        Raises:
+          ValueError: unknown method or invalid request (one sentence naming the value).
+        """
+        check_method(method)
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        ids = [self.encode_prompt(t, chat) for t in texts]
+        out, stats = self.engine.generate(ids, max_new_tokens, temp, top_p, seed)
+        results = [GenerationResult(t, p, o, self.tokenizer.decode(o, skip_special_tokens=True), stats)
+                   for t, p, o in zip(texts, ids, out)]
+        return results[0] if isinstance(prompt, str) else results
+
+    def stream(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
+               temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar"
+               ) -> Iterator[str]:
+        """Yields the reply's text as it is committed (only complete UTF-8 characters)."""
+        check_method(method)
+        decoder = StreamDecoder(self.tokenizer)
+        for ids in self.engine.stream(self.encode_prompt(prompt, chat), max_new_tokens, temp, top_p, seed):
+            text = decoder.push(ids)
+            if text:
+                yield text
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+
+def check_method(method: str) -> None:
+    """Raises ValueError naming ``method`` when it is not a known decoding method."""
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} is unknown; choose one of {', '.join(METHODS)}.")
+
+
+def load(preset_or_path: str = DEFAULT_PRESET, dtype: str = "float32") -> TreeSpark:
+    """Loads a target offline (preset name, GGUF file or HF directory) with the compile cache on.
+
+    Raises:
+      ValueError: unknown preset, missing or corrupt checkpoint (see ``load_target``).
+    """
+    enable_compilation_cache()
+    return TreeSpark(load_target(preset_or_path, dtype))
