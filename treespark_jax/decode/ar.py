@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from treespark_jax.decode.state import STREAM_TARGET_SAMPLE, GenState, Requests, append_tokens, row_keys
+from treespark_jax.decode.state import GenState, Requests, append_tokens, row_keys
+from treespark_jax.streams import STREAM_TARGET_SAMPLE
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.sampling import sample_token
 from treespark_jax.typing import Array, Bool, Int

@@ -17,13 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from treespark_jax.config import TreeConfig
 from treespark_jax.decode import buckets
 from treespark_jax.decode.ar import ar_loop
 from treespark_jax.decode.prefill import prefill
+from treespark_jax.decode.speculative import SpecConfig, SpecState, SpecStats, spec_loop
 from treespark_jax.decode.state import GenState, Requests
+from treespark_jax.drafter.proposer import Proposer
 from treespark_jax.models.decoder import Decoder
 
-STREAM_CHUNK = 8  # AR steps per host sync when streaming
+STREAM_CHUNK = 8  # AR steps per host sync when streaming (speculative streams sync per round)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "out_size", "greedy"))
@@ -40,9 +43,41 @@ def _ar_program(graphdef, weights, state, requests, stop_after, *, greedy) -> Ge
     return ar_loop(nnx.merge(graphdef, weights), state, requests, stop_after, greedy)
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg", "capacity", "out_size"))
+def _spec_prefill_program(graphdef, weights, tokens, prompt_lens, active, requests, *, proposer,
+                          cfg, capacity, out_size) -> SpecState:
+    model = nnx.merge(graphdef, weights)
+    gen, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
+                       out_size=out_size, greedy=cfg.greedy, layer_ids=proposer.layer_ids)
+    pstate = proposer.init(tokens, prompt_lens, gen.anchor, out.features, capacity)
+    stats = SpecStats.zeros(tokens.shape[0], cfg.tree.max_depth, len(cfg.ladder))
+    return SpecState(gen=gen, proposer=pstate, stats=stats)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg"), donate_argnames=("state",))
+def _spec_program(graphdef, weights, state, requests, stop_after, *, proposer, cfg) -> SpecState:
+    return spec_loop(nnx.merge(graphdef, weights), proposer, cfg, state, requests, stop_after)
+
+
+_PROGRAMS = (_prefill_program, _ar_program, _spec_prefill_program, _spec_program)
+
+
 def compiled_programs() -> int:
     """Programs compiled so far by the decode entry points (a process-wide counter)."""
-    return _prefill_program._cache_size() + _ar_program._cache_size()
+    return sum(p._cache_size() for p in _PROGRAMS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """How to decode speculatively: a proposer and the tree it drafts.
+
+    Attributes:
+      proposer: static proposer (drafter, prompt lookup, random).
+      tree: tree configuration; its ``budget`` is the maximum budget N of the compiled round.
+    """
+
+    proposer: Proposer
+    tree: TreeConfig
 
 
 @dataclasses.dataclass
@@ -55,6 +90,9 @@ class GenerationStats:
       prefill_s: prefill wall time (seconds, includes compilation on first use).
       decode_s: wall time after prefill until the last token (seconds).
       compiles: programs compiled during the call.
+      tau: mean tokens committed per verify round, bonus included (1 for AR).
+      tau_per_depth: acceptance rate at depth ``j + 1`` given depth ``j`` was reached (list).
+      rung_rounds: rounds that verified each ladder rung (list; empty for AR).
     """
 
     new_tokens: int
@@ -62,6 +100,9 @@ class GenerationStats:
     prefill_s: float
     decode_s: float
     compiles: int
+    tau: float = 1.0
+    tau_per_depth: list = dataclasses.field(default_factory=list)
+    rung_rounds: list = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,14 +169,14 @@ class Engine:
             stop_ids=self.stop_ids)
 
     def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float,
-              top_p: float, seed: int | Sequence[int], tree_rows: int = 1
-              ) -> tuple[GenState, Requests, dict]:
-        """Validates, pads to buckets and prefills. Returns the state, requests and shapes."""
+              top_p: float, seed: int | Sequence[int], spec: Speculation | None = None):
+        """Validates, pads to buckets and prefills. Returns the loop state and the requests."""
         lens = [len(p) for p in prompts]
         check_request(lens, max_new_tokens, temp, top_p, self.context)
         b = buckets.batch_bucket(len(prompts))
         t = buckets.prompt_bucket(max(lens))
         out_size = buckets.output_bucket(max_new_tokens)
+        tree_rows = spec.tree.budget + 1 if spec else 1
         capacity = buckets.cache_capacity(t, out_size, tree_rows)
         tokens = np.zeros((b, t), np.int32)
         for i, p in enumerate(prompts):
@@ -144,15 +185,32 @@ class Engine:
         prompt_lens[: len(lens)] = lens
         active = np.arange(b) < len(prompts)
         requests = self.requests(b, max_new_tokens, temp, top_p, seed)
-        state = _prefill_program(self.graphdef, self.weights, jnp.asarray(tokens),
-                                 jnp.asarray(prompt_lens), jnp.asarray(active), requests,
-                                 capacity=capacity, out_size=out_size, greedy=temp == 0)
-        return state, requests, {"batch": b, "prompt": t, "out": out_size, "capacity": capacity}
+        args = (self.graphdef, self.weights, jnp.asarray(tokens), jnp.asarray(prompt_lens),
+                jnp.asarray(active), requests)
+        if spec is None:
+            state = _prefill_program(*args, capacity=capacity, out_size=out_size, greedy=temp == 0)
+        else:
+            state = _spec_prefill_program(*args, proposer=spec.proposer, cfg=self.spec_config(spec, temp),
+                                          capacity=capacity, out_size=out_size)
+        return state, requests
+
+    @staticmethod
+    def spec_config(spec: Speculation, temp: float) -> SpecConfig:
+        """The static round configuration for ``spec`` at temperature ``temp``."""
+        return SpecConfig(tree=spec.tree, greedy=temp == 0)
+
+    def run(self, state, requests, stop_after: int, temp: float, spec: Speculation | None):
+        """Advances the on-device loop until every row is done or ``stop_after`` steps/rounds."""
+        stop = jnp.asarray(stop_after, jnp.int32)
+        if spec is None:
+            return _ar_program(self.graphdef, self.weights, state, requests, stop, greedy=temp == 0)
+        return _spec_program(self.graphdef, self.weights, state, requests, stop,
+                             proposer=spec.proposer, cfg=self.spec_config(spec, temp))
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float = 0.0,
-                 top_p: float = 1.0, seed: int | Sequence[int] = 0
+                 top_p: float = 1.0, seed: int | Sequence[int] = 0, spec: Speculation | None = None
                  ) -> tuple[list[list[int]], GenerationStats]:
-        """Autoregressive generation for a batch of tokenized prompts.
+        """Generation for a batch of tokenized prompts, autoregressive or speculative.
 
         Args:
           prompts: token ids per prompt (different lengths allowed).
@@ -160,42 +218,58 @@ class Engine:
           temp: temperature; 0 is greedy.
           top_p: nucleus mass in ``(0, 1]``.
           seed: request seed (row ``i`` uses ``seed + i``) or one seed per prompt.
+          spec: speculative decoding settings; ``None`` decodes autoregressively.
 
         Returns:
           ``(token_ids, stats)``: emitted ids per prompt (ending at a stop token or the cap).
 
         Raises:
-          ValueError: invalid request (see ``check_request``).
+          ValueError: invalid request (see ``check_request``) or tree settings.
         """
         compiles = compiled_programs()
         t0 = time.perf_counter()
-        state, requests, _ = self.start(prompts, max_new_tokens, temp, top_p, seed)
+        state, requests = self.start(prompts, max_new_tokens, temp, top_p, seed, spec)
         jax.block_until_ready(state)
         t1 = time.perf_counter()
-        state = _ar_program(self.graphdef, self.weights, state, requests,
-                            jnp.asarray(max_new_tokens, jnp.int32), greedy=temp == 0)
-        out, n_out, steps = jax.device_get((state.out, state.n_out, state.steps))
+        state = self.run(state, requests, max_new_tokens, temp, spec)
+        gen = state if spec is None else state.gen
+        out, n_out, steps = jax.device_get((gen.out, gen.n_out, gen.steps))
         t2 = time.perf_counter()
         ids = [out[i, : n_out[i]].tolist() for i in range(len(prompts))]
         stats = GenerationStats(new_tokens=int(sum(len(x) for x in ids)),
                                 target_forwards=1 + int(steps), prefill_s=t1 - t0,
                                 decode_s=t2 - t1, compiles=compiled_programs() - compiles)
+        if spec is not None:
+            _add_spec_stats(stats, jax.device_get(state.stats), len(prompts))
         return ids, stats
 
     def stream(self, prompt: Sequence[int], max_new_tokens: int, temp: float = 0.0,
-               top_p: float = 1.0, seed: int = 0) -> Iterator[list[int]]:
-        """Yields lists of newly emitted ids for one prompt, syncing every ``STREAM_CHUNK`` steps.
+               top_p: float = 1.0, seed: int = 0, spec: Speculation | None = None
+               ) -> Iterator[list[int]]:
+        """Yields lists of newly emitted ids for one prompt as they are committed.
 
-        Uses the same compiled loop as ``generate`` (the stop step is an array argument).
+        Uses the same compiled loop as ``generate`` (the stop step is an array argument),
+        syncing every ``STREAM_CHUNK`` AR steps or every speculative round.
         """
-        state, requests, _ = self.start([prompt], max_new_tokens, temp, top_p, seed)
+        state, requests = self.start([prompt], max_new_tokens, temp, top_p, seed, spec)
+        chunk = STREAM_CHUNK if spec is None else 1
         sent = 0
         while True:
-            out, n_out, done, steps = jax.device_get((state.out, state.n_out, state.done, state.steps))
+            gen = state if spec is None else state.gen
+            out, n_out, done, steps = jax.device_get((gen.out, gen.n_out, gen.done, gen.steps))
             if n_out[0] > sent:
                 yield out[0, sent: n_out[0]].tolist()
                 sent = int(n_out[0])
             if done[0]:
                 return
-            state = _ar_program(self.graphdef, self.weights, state, requests,
-                                jnp.asarray(steps + STREAM_CHUNK, jnp.int32), greedy=temp == 0)
+            state = self.run(state, requests, int(steps) + chunk, temp, spec)
+
+
+def _add_spec_stats(stats: GenerationStats, spec: SpecStats, n_rows: int) -> None:
+    """Pools the per-row counters of the real rows into τ, per-depth acceptance and rung use."""
+    rounds = int(spec.rounds[:n_rows].sum())
+    stats.tau = (rounds + int(spec.accepted[:n_rows].sum())) / max(rounds, 1)
+    reached = spec.depth_reached[:n_rows].sum(0)
+    stats.tau_per_depth = [float(a / r) if r else float("nan")
+                           for a, r in zip(spec.depth_accepted[:n_rows].sum(0), reached)]
+    stats.rung_rounds = spec.rung_rounds.tolist()

@@ -7,13 +7,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.streams import purpose_keys
 from treespark_jax.typing import Array, Bool, Float, Int, PRNGKeyArray
-
-# Purposes folded into a request's key, so each use of randomness is an independent stream.
-STREAM_TARGET_SAMPLE = 0
-STREAM_DRAFT = 1
-STREAM_ACCEPT = 2
-STREAM_RESIDUAL = 3
 
 
 @struct.dataclass
@@ -62,8 +57,7 @@ def row_keys(requests: Requests, purpose: int, counter: Int[Array, "B"]) -> PRNG
     ``counter`` is a per-row quantity such as the number of tokens emitted so far, so the
     randomness a row sees depends only on its own request and progress.
     """
-    return jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, purpose), c))(
-        requests.keys, counter)
+    return jax.vmap(jax.random.fold_in)(purpose_keys(requests.keys, purpose), counter)
 
 
 def append_tokens(state: GenState, new: Int[Array, "B X"], n_new: Int[Array, "B"],

@@ -1,0 +1,50 @@
+"""The proposer interface the speculative loop drives (drafters, prompt lookup, random)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from flax import struct
+
+from treespark_jax.tree.proposal import Proposal
+from treespark_jax.typing import Array, Float, Int, PRNGKeyArray
+
+
+@struct.dataclass
+class Committed:
+    """What one round committed, handed to the proposer to extend its context.
+
+    Attributes:
+      tokens: ``[B, X]`` int32 the anchor followed by the accepted nodes (``X = max_depth + 1``).
+      n: ``[B]`` int32 how many leading ``tokens`` were committed (0 on finished rows).
+      bonus: ``[B]`` int32 the round's bonus token (the next anchor).
+      features: ``[B, X, m·D]`` target features of those rows, or ``None`` when the proposer
+        asked for no layers.
+    """
+
+    tokens: Int[Array, "B X"]
+    n: Int[Array, "B"]
+    bonus: Int[Array, "B"]
+    features: Float[Array, "B X F"] | None
+
+
+class Proposer(Protocol):
+    """A hashable, static description of a proposer; its arrays live in a state pytree.
+
+    Attributes:
+      block_size: P, depths the Proposal covers.
+      layer_ids: target layers whose features the proposer needs (empty: none).
+    """
+
+    block_size: int
+    layer_ids: tuple[int, ...]
+
+    def init(self, prompt: Int[Array, "B T"], prompt_lens: Int[Array, "B"], first: Int[Array, "B"],
+             features: Float[Array, "B T F"] | None, capacity: int) -> Any:
+        """State after prefill (``first`` = the first emitted token, the first anchor)."""
+
+    def propose(self, state: Any, anchor: Int[Array, "B"], keys: PRNGKeyArray) -> Proposal:
+        """The round's Proposal for every row (``keys``: per-row, already folded by round)."""
+
+    def update(self, state: Any, committed: Committed) -> Any:
+        """State after a round's commit."""
