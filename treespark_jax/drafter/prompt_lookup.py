@@ -44,8 +44,8 @@ class PromptLookup:
 
     def init(self, prompt, prompt_lens, first, features, capacity) -> History:
         b, t = prompt.shape
-        tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :t].set(prompt)
-        tokens = tokens.at[jnp.arange(b), prompt_lens].set(first)
+        tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :t].set(prompt.astype(jnp.int32))
+        tokens = tokens.at[jnp.arange(b), prompt_lens].set(first.astype(jnp.int32))
         return History(tokens=tokens, length=prompt_lens + 1)
 
     def propose(self, state: History, anchor, keys) -> Proposal:

@@ -1,0 +1,186 @@
+"""Speculative decoding on tiny float64 targets: exactness, cache commit, compile count.
+
+Greedy speculative output must equal greedy autoregressive output token for token; in float64
+no near-tie can hide a bug, so no divergence is allowed.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from treespark_jax.config import TreeConfig
+from treespark_jax.decode import engine as engine_mod
+from treespark_jax.decode.commit import commit_path
+from treespark_jax.decode.engine import Engine, Speculation
+from treespark_jax.decode.prefill import prefill_mask
+from treespark_jax.drafter.prompt_lookup import PromptLookup
+from treespark_jax.drafter.random import RandomProposer
+from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.tree.builders import build_tree
+from treespark_jax.tree.masks import verify_inputs
+from treespark_jax.tree.random_proposal import random_proposal
+
+from tiny import tiny_decoder
+
+V = 97
+# Repetitive prompts give prompt lookup real matches; the tiny model also falls into loops.
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 9, 4, 4]]
+
+
+@pytest.fixture(scope="module")
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="module")
+def model(x64):
+    return tiny_decoder("qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def ar_reference(model):
+    ids, _ = Engine(model, stop_ids=[]).generate(PROMPTS, 40)
+    return ids
+
+
+def proposer(kind):
+    return PromptLookup(V, block_size=8) if kind == "prompt_lookup" else RandomProposer(V, 8, 48, 4)
+
+
+CASES = [  # (proposer, builder, budget, max_depth, branch)
+    ("prompt_lookup", "chain", 8, 8, 1),
+    ("random", "parent_conditioned", 16, 6, 4),
+    ("random", "treespark", 16, 6, 4),
+    ("random", "marginal", 7, 4, 3),
+    ("prompt_lookup", "treespark", 4, 4, 2),
+]
+SLOW_CASES = [
+    (p, b, n, min(n, 8), 4) for p in ("random", "prompt_lookup")
+    for b in ("chain", "marginal", "parent_conditioned", "treespark") for n in (1, 4, 16, 64, 11)
+]
+
+
+def run_greedy_case(model, ar_reference, case, batch):
+    kind, builder, budget, depth, branch = case
+    tree = TreeConfig(budget=budget, max_depth=depth, branch=branch, builder=builder)
+    prompts = PROMPTS[:batch]
+    ids, stats = Engine(model, stop_ids=[]).generate(prompts, 40, spec=Speculation(proposer(kind), tree))
+    assert ids == ar_reference[:batch]
+    assert stats.target_forwards - 1 == sum(stats.rung_rounds) or batch > 1
+    return stats
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_greedy_speculative_equals_greedy_ar(model, ar_reference, case):
+    stats = run_greedy_case(model, ar_reference, case, batch=4)
+    assert stats.tau >= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_greedy_exactness_sweep(model, ar_reference, case, batch):
+    run_greedy_case(model, ar_reference, case, batch)
+
+
+def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match(x64):
+    pl = PromptLookup(V, block_size=4, max_ngram=3)
+    prompt = jnp.asarray([[1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 0], [6, 6, 6, 6, 0, 0, 0, 0, 0, 0, 0, 0]])
+    state = pl.init(prompt, jnp.asarray([11, 4]), jnp.asarray([3, 6]), None, 32)
+    # Row 0 history ends "... 1 2 | 3": the trigram "1 2 3" occurs at 0..2, so draft "4 5 9 2".
+    # Row 1 history "6 6 6 6 | 6": the latest earlier "6 6 6" ends at index 3; one token follows.
+    prop = jax.device_get(pl.propose(state, None, None))
+    assert prop.pool_ids[0, :, 0].tolist() == [4, 5, 9, 2]
+    assert np.isfinite(prop.pool_logits[0, :, 0]).all()
+    assert prop.pool_ids[1, 0, 0] == 6 and np.isfinite(prop.pool_logits[1, :, 0]).tolist() == [True] + [False] * 3
+
+
+@pytest.mark.parametrize("stop_at", [3, 17])
+def test_eos_and_cap_inside_an_accepted_path(model, ar_reference, stop_at):
+    """The stop token ends the row where it occurs (emitted, nothing after it), before the cap."""
+    spec = Speculation(PromptLookup(V, 8), TreeConfig(budget=8, max_depth=8, builder="chain"))
+    stop = ar_reference[0][stop_at]
+    ids, stats = Engine(model, stop_ids=[stop]).generate(PROMPTS, 40, spec=spec)
+    for got, ref in zip(ids, ar_reference):
+        assert got == ref[: ref.index(stop) + 1 if stop in ref else 40]
+    assert stats.new_tokens == sum(map(len, ids))
+    for cap in (1, 2, 13):
+        ids, stats = Engine(model, stop_ids=[]).generate(PROMPTS, cap, spec=spec)
+        assert ids == [r[:cap] for r in ar_reference] and stats.new_tokens == 4 * cap
+
+
+def test_one_program_per_budget_for_a_long_generation(model):
+    eng = Engine(model, stop_ids=[])
+    tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
+    spec = Speculation(RandomProposer(V, 8, 48, 4), tree)
+    eng.generate([[3, 1, 4]], 256, spec=spec)
+    before = engine_mod._spec_program._cache_size()
+    ids, stats = eng.generate([[2, 7, 1, 8, 2]], 256, spec=spec)
+    assert len(ids[0]) == 256 and stats.compiles == 0
+    assert len([r for r in stats.rung_rounds if r]) >= 1
+    eng.generate([[2, 7, 1, 8, 2]], 256, spec=Speculation(spec.proposer, TreeConfig(
+        budget=32, max_depth=6, branch=4, builder="treespark")))
+    assert engine_mod._spec_program._cache_size() == before + 1
+
+
+def test_tree_rows_equal_autoregressive_logits_along_each_path(model):
+    """Every verification row's logits equal the target run along that node's path (1e-9)."""
+    cfg = model.cfg
+    prefix = [3, 9, 27, 81, 50, 17]
+    cap = 64
+    tree_cfg = TreeConfig(budget=12, max_depth=4, branch=3, builder="parent_conditioned")
+    prop = random_proposal(jax.random.key(0), 1, 4, 20, V, 4, dtype=jnp.float64)
+    anchor = jnp.asarray([prefix[-1]])
+    tree = build_tree(prop, anchor, tree_cfg, temp=0.0, top_p=1.0, sample=False)
+    cache = KVCache.zeros(cfg, 1, cap, jnp.float64)
+    n0 = len(prefix) - 1
+    out = model(jnp.asarray([prefix[:-1]]), jnp.arange(n0)[None], prefill_mask(jnp.asarray([n0]), n0, cap), cache)
+    cache = out.cache.replace(lengths=jnp.asarray([n0]))
+    tokens, positions, mask = verify_inputs(tree, anchor, cache.lengths, cap, tree_cfg.max_depth)
+    logits = model.logits(model(tokens, positions, mask, cache).hidden)[0]
+    t = jax.device_get(tree)
+    for i in range(tree_cfg.budget):
+        if not t.valid[0, i]:
+            continue
+        path, node = [], i
+        while node >= 0:
+            path.append(int(t.tokens[0, node]))
+            node = int(t.parents[0, node])
+        seq = prefix + path[::-1]
+        ref = model.logits(model(jnp.asarray([seq]), jnp.arange(len(seq))[None],
+                                 prefill_mask(jnp.asarray([len(seq)]), len(seq), len(seq)),
+                                 KVCache.zeros(cfg, 1, len(seq), jnp.float64)).hidden)[0, -1]
+        np.testing.assert_allclose(logits[i + 1], ref, rtol=1e-9, atol=1e-9)
+    assert int(t.valid.sum()) == tree_cfg.budget
+
+
+def test_commit_gives_the_cache_prefill_would_give(model):
+    cfg = model.cfg
+    prefix, cap = [3, 9, 27, 81, 50], 48
+    tree_cfg = TreeConfig(budget=10, max_depth=4, branch=3, builder="parent_conditioned")
+    prop = random_proposal(jax.random.key(2), 1, 4, 20, V, 4, dtype=jnp.float64)
+    anchor = jnp.asarray([prefix[-1]])
+    tree = jax.device_get(build_tree(prop, anchor, tree_cfg, temp=0.0, top_p=1.0, sample=False))
+    n0 = len(prefix) - 1
+    cache = model(jnp.asarray([prefix[:-1]]), jnp.arange(n0)[None], prefill_mask(jnp.asarray([n0]), n0, cap),
+                  KVCache.zeros(cfg, 1, cap, jnp.float64)).cache.replace(lengths=jnp.asarray([n0]))
+    tokens, positions, mask = verify_inputs(tree, anchor, cache.lengths, cap, tree_cfg.max_depth)
+    verified = model(tokens, positions, mask, cache).cache
+    leaf = int(np.flatnonzero(tree.depths[0] == tree.depths[0].max())[-1])  # a deepest node
+    path, node = [], leaf
+    while node >= 0:
+        path.append(node)
+        node = int(tree.parents[0, node])
+    path = path[::-1]
+    padded = jnp.asarray([path + [-1] * (tree_cfg.max_depth - len(path))])
+    committed = commit_path(verified, padded, jnp.asarray([len(path)]), jnp.asarray([True]))
+    seq = prefix + [int(tree.tokens[0, i]) for i in path]
+    ref = model(jnp.asarray([seq]), jnp.arange(len(seq))[None], prefill_mask(jnp.asarray([len(seq)]), len(seq), cap),
+                KVCache.zeros(cfg, 1, cap, jnp.float64)).cache
+    n = len(seq)
+    assert int(committed.lengths[0]) == n
+    np.testing.assert_allclose(committed.k[:, :, :n], ref.k[:, :, :n], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(committed.v[:, :, :n], ref.v[:, :, :n], rtol=1e-10, atol=1e-12)
