@@ -14,13 +14,11 @@ import dataclasses
 from collections.abc import Iterator
 
 from treespark_jax.decode.engine import Engine, GenerationStats
+from treespark_jax.methods import DEFAULT_BUDGET, speculation
 from treespark_jax.models.load import Target, load_target
 from treespark_jax.models.presets import DEFAULT_PRESET
 from treespark_jax.models.tokenizer import StreamDecoder
 from treespark_jax.runtime import enable_compilation_cache
-
-METHODS: tuple[str, ...] = ("ar",)
-
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -57,8 +55,8 @@ class TreeSpark:
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompt: str | list[str], *, chat: bool = False, max_new_tokens: int = 128,
-                 temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar"
-                 ) -> GenerationResult | list[GenerationResult]:
+                 temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar",
+                 budget: int = DEFAULT_BUDGET) -> GenerationResult | list[GenerationResult]:
         """Generates a reply for one prompt or a batch.
 
         Args:
@@ -68,7 +66,8 @@ class TreeSpark:
           temp: temperature (0 = greedy).
           top_p: nucleus mass in ``(0, 1]``.
           seed: request seed; prompt ``i`` of a batch uses ``seed + i``.
-          method: decoding method, one of ``METHODS``.
+          method: decoding method, one of ``methods.METHODS``.
+          budget: maximum drafted tree nodes per round N (speculative methods).
 
         Returns:
           A ``GenerationResult`` (a list of them for a list of prompts).
@@ -76,33 +75,28 @@ class TreeSpark:
         Raises:
           ValueError: unknown method or invalid request (one sentence naming the value).
         """
-        check_method(method)
+        spec = speculation(method, self.target.cfg.vocab_size, budget)
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = [self.encode_prompt(t, chat) for t in texts]
-        out, stats = self.engine.generate(ids, max_new_tokens, temp, top_p, seed)
+        out, stats = self.engine.generate(ids, max_new_tokens, temp, top_p, seed, spec)
         results = [GenerationResult(t, p, o, self.tokenizer.decode(o, skip_special_tokens=True), stats)
                    for t, p, o in zip(texts, ids, out)]
         return results[0] if isinstance(prompt, str) else results
 
     def stream(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
-               temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar"
-               ) -> Iterator[str]:
+               temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar",
+               budget: int = DEFAULT_BUDGET) -> Iterator[str]:
         """Yields the reply's text as it is committed (only complete UTF-8 characters)."""
-        check_method(method)
+        spec = speculation(method, self.target.cfg.vocab_size, budget)
         decoder = StreamDecoder(self.tokenizer)
-        for ids in self.engine.stream(self.encode_prompt(prompt, chat), max_new_tokens, temp, top_p, seed):
+        prompt_ids = self.encode_prompt(prompt, chat)
+        for ids in self.engine.stream(prompt_ids, max_new_tokens, temp, top_p, seed, spec):
             text = decoder.push(ids)
             if text:
                 yield text
         tail = decoder.flush()
         if tail:
             yield tail
-
-
-def check_method(method: str) -> None:
-    """Raises ValueError naming ``method`` when it is not a known decoding method."""
-    if method not in METHODS:
-        raise ValueError(f"method {method!r} is unknown; choose one of {', '.join(METHODS)}.")
 
 
 def load(preset_or_path: str = DEFAULT_PRESET, dtype: str = "float32") -> TreeSpark:

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from treespark_jax.methods import DEFAULT_BUDGET, METHODS
 from treespark_jax.models.presets import DEFAULT_PRESET, PRESETS
 
 
@@ -39,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
     gen.add_argument("--seed", type=int, default=0, help="request seed for sampling")
-    gen.add_argument("--method", default="ar", help="decoding method (ar)")
+    gen.add_argument("--method", default="ar", choices=METHODS, help="decoding method")
+    gen.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                     help="maximum drafted tree nodes per round (speculative methods)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (prompt, prompt_ids, token_ids, text, stats)")
 
@@ -56,17 +59,19 @@ def _generate(args) -> None:
 
     lm = load(args.target or args.preset or DEFAULT_PRESET, args.dtype)
     result = lm.generate(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                         temp=args.temp, top_p=args.top_p, seed=args.seed, method=args.method)
+                         temp=args.temp, top_p=args.top_p, seed=args.seed, method=args.method,
+                         budget=args.budget)
     stats = result.stats
     stats_json = {"new_tokens": stats.new_tokens, "tokens_per_s": stats.tokens_per_s,
                   "target_forwards": stats.target_forwards, "compiles": stats.compiles,
-                  "prefill_s": stats.prefill_s, "decode_s": stats.decode_s}
+                  "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "tau": stats.tau,
+                  "tau_per_depth": stats.tau_per_depth, "rung_rounds": stats.rung_rounds}
     if args.json:
         print(json.dumps({"prompt": result.prompt, "prompt_ids": result.prompt_ids,
                           "token_ids": result.token_ids, "text": result.text, "stats": stats_json}))
         return
     print(result.text)
-    print(f"\n[{args.method}] {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, "
+    print(f"\n[{args.method}] {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, τ {stats.tau:.2f}, "
           f"{stats.target_forwards} target forwards, {stats.compiles} programs compiled",
           file=sys.stderr)
 

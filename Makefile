@@ -1,0 +1,31 @@
+# Two commands: `make demo` and `make test`. Both create the virtual environment if missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: demo test install install-test clean-venv
+
+$(VENV)/.runtime: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.runtime
+
+install-test: $(VENV)/.test
+
+demo: install
+	$(PY) -m treespark_jax.cli models fetch smollm2-135m
+	$(PY) -m treespark_jax.cli generate --chat --prompt "$(PROMPT)" --max-new-tokens 96
+
+test: install-test
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)
