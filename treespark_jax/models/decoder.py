@@ -1,8 +1,9 @@
 """One Flax NNX decoder for the Llama (SmolLM2), Qwen2 and Qwen3 families.
 
-Layers are stored stacked (leading ``L`` axis) and run with ``lax.scan``, so the compiled
-program holds one layer body whatever the depth (short compiles, one graph per shape). The
-call takes explicit positions and a boolean mask, which is all tree verification needs.
+Each layer keeps its own weight arrays and the layer loop is unrolled: on CPU a ``lax.scan``
+over stacked weights copies every layer's weights per step (measured 3× slower for a 135M
+target), while separate arrays are read in place. The call takes explicit positions and a
+boolean mask, which is all tree verification needs.
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ class DecoderOutput:
     cache: KVCache
 
 
-class DecoderLayers(nnx.Module):
-    """All decoder layers' weights, stacked along a leading ``L`` axis."""
+class DecoderLayer(nnx.Module):
+    """One decoder layer's weights (names as in ``models/weights.py`` without the prefix)."""
 
     def __init__(self, cfg: ModelConfig, arrays: dict[str, jax.Array]):
         for name in layer_param_names(cfg):
             setattr(self, name, nnx.Param(arrays[name]))
 
-    def stacked(self, cfg: ModelConfig) -> dict[str, jax.Array]:
-        """Name → ``[L, ...]`` array view of the weights."""
+    def arrays(self, cfg: ModelConfig) -> dict[str, jax.Array]:
+        """Name → array view of the weights."""
         return {name: getattr(self, name)[...] for name in layer_param_names(cfg)}
 
 
@@ -77,11 +78,9 @@ class Decoder(nnx.Module):
         self.final_norm = nnx.Param(cast(weights["final_norm"]))
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(cast(weights["lm_head"]))
-        stacked = {
-            name: cast(np.stack([np.asarray(weights[f"layers.{i}.{name}"]) for i in range(cfg.n_layers)]))
-            for name in layer_param_names(cfg)
-        }
-        self.layers = DecoderLayers(cfg, stacked)
+        self.layers = nnx.List([
+            DecoderLayer(cfg, {n: cast(weights[f"layers.{i}.{n}"]) for n in layer_param_names(cfg)})
+            for i in range(cfg.n_layers)])
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, std: float = 0.02, dtype=jnp.float32) -> "Decoder":
@@ -115,17 +114,20 @@ class Decoder(nnx.Module):
 
         Returns:
           ``DecoderOutput`` with final-norm hidden states, selected-layer features and the cache.
+
+        Raises:
+          ValueError: a layer id outside ``0..n_layers-1``.
         """
         cfg = self.cfg
+        if any(not 0 <= i < cfg.n_layers for i in layer_ids):
+            raise ValueError(f"layer_ids {layer_ids} must be 0-based decoder layers below n_layers={cfg.n_layers}.")
         b, t = tokens.shape
         x = self.embed[...][tokens]
         slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-        params = self.layers.stacked(cfg)
-
-        def layer(carry, xs):
-            x, k_all, v_all = carry
-            p, li = xs
+        k_all, v_all, chosen = cache.k, cache.v, {}
+        for li, layer in enumerate(self.layers):
+            p = layer.arrays(cfg)
             h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
             q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
             if cfg.qkv_bias:
@@ -144,14 +146,9 @@ class Decoder(nnx.Module):
             x = x + attn.reshape(b, t, -1) @ p["wo"]
             h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
             x = x + swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
-            return (x, k_all, v_all), (x if layer_ids else None)
-
-        (x, k_all, v_all), per_layer = jax.lax.scan(
-            layer, (x, cache.k, cache.v), (params, jnp.arange(cfg.n_layers, dtype=jnp.int32)))
-        features = None
-        if layer_ids:
-            chosen = per_layer[jnp.asarray(layer_ids)]  # [m, B, T, D]
-            features = jnp.moveaxis(chosen, 0, 2).reshape(b, t, -1)
+            if li in layer_ids:
+                chosen[li] = x
+        features = jnp.concatenate([chosen[i] for i in layer_ids], axis=-1) if layer_ids else None
         hidden = rms_norm(x, self.final_norm[...], cfg.rms_eps)
         return DecoderOutput(hidden=hidden, features=features,
                              cache=cache.replace(k=k_all, v=v_all))
