@@ -1,0 +1,77 @@
+"""The default preset (SmolLM2-135M GGUF) against ``transformers`` and greedy AR; Qwen2.5 (slow)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from treespark_jax.bench.greedy_check import first_divergence
+from treespark_jax.decode.engine import Engine
+from treespark_jax.decode.prefill import prefill_mask
+from treespark_jax.methods import speculation
+from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.models.load import load_target
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.slow, pytest.mark.parity]
+
+PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes "
+          "Gutenberg combined movable metal type with an oil-based ink and a screw press adapted "
+          "from those used to make wine, and within fifty years presses were running in more "
+          "than two hundred cities across Europe")
+SPEC_PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                "List the planets of the solar system in order from the Sun:",
+                "Once upon a time, in a small village by the sea,"]
+
+
+def hf_model(target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(target.path.parent), gguf_file=target.path.name,
+                                                dtype=torch.float32).eval()
+
+
+def compare_with_transformers(target, prompt_len=32, new_tokens=32):
+    ids = target.tokenizer.encode(PROMPT)[:prompt_len]
+    assert len(ids) == prompt_len
+    hf = hf_model(target)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits.numpy()[0]
+        hf_greedy = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, prompt_len:].tolist()
+    t = prompt_len
+    out = target.model(jnp.asarray([ids]), jnp.arange(t)[None], prefill_mask(jnp.asarray([t]), t, t),
+                       KVCache.zeros(target.cfg, 1, t))
+    ours = np.asarray(target.model.logits(out.hidden)[0])
+    assert np.max(np.abs(ours - ref)) < 1e-3, np.max(np.abs(ours - ref))
+    greedy, _ = Engine(target.model, stop_ids=[]).generate([ids], new_tokens)
+    assert greedy[0] == hf_greedy
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return load_target(str(smollm2_gguf))
+
+
+def test_smollm2_logits_and_greedy_match_transformers(smollm2):
+    assert smollm2.cfg.rope_theta == 100000.0 and smollm2.cfg.tie_embeddings
+    compare_with_transformers(smollm2)
+
+
+def test_prompt_lookup_greedy_equals_ar_on_smollm2(smollm2):
+    """Divergences are allowed only at near-ties (AR top-2 gap ≤ 1e-4), and are reported."""
+    eng = Engine(smollm2.model, stop_ids=smollm2.tokenizer.stop_ids)
+    prompts = [smollm2.tokenizer.encode(p) for p in SPEC_PROMPTS]
+    ar, _ = eng.generate(prompts, 64)
+    for budget in (4, 16):
+        spec = speculation("prompt_lookup", smollm2.cfg.vocab_size, budget)
+        out, stats = eng.generate(prompts, 64, spec=spec)
+        for p, a, o in zip(prompts, ar, out):
+            d = first_divergence(smollm2.model, p, a, o)
+            assert d is None or d.near_tie, d
+            if d is None:
+                assert a == o
+        assert stats.tau > 1.0
+
+
+def test_qwen25_coder_05b_matches_transformers():
+    compare_with_transformers(load_target("qwen2.5-coder-0.5b"))
