@@ -1,0 +1,52 @@
+"""The command line end to end on the default preset: output, JSON and one-sentence errors."""
+
+import json
+
+import pytest
+
+from treespark_jax.cli import main
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def preset(smollm2_gguf):
+    return "smollm2-135m"  # fetched and verified by the fixture
+
+
+def test_generate_json_has_ids_text_and_stats(preset, capsys):
+    assert main(["generate", "--preset", preset, "--prompt", "The capital of France is",
+                 "--max-new-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 8 and out["prompt_ids"] and out["text"]
+    assert out["stats"]["target_forwards"] == 8 and out["stats"]["tokens_per_s"] > 0
+
+
+def test_prompt_lookup_method_matches_greedy_ar(preset, capsys):
+    args = ["generate", "--preset", preset, "--prompt", "1, 2, 3, 4, 5, 6, 7, 8,", "--max-new-tokens", "24", "--json"]
+    assert main(args) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert main(args + ["--method", "prompt_lookup", "--budget", "6"]) == 0
+    pl = json.loads(capsys.readouterr().out)
+    assert pl["token_ids"] == ar["token_ids"] and pl["stats"]["tau"] > 1.5
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt", ""], "prompt 0 is empty"),
+    (["--prompt", "hi " * 9000], "more than the model's context of 8192 tokens"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens=0 must be at least 1"),
+    (["--prompt", "hi", "--temp", "-1"], "temperature -1.0 is negative"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
+    (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be at least 1"),
+])
+def test_bad_input_is_one_sentence_and_exit_2(preset, capsys, flags, message):
+    assert main(["generate", "--preset", preset] + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("treespark: error: ") and message in err and "\n" not in err
+
+
+def test_unknown_preset_and_models_list(capsys):
+    assert main(["generate", "--preset", "no-such-model", "--prompt", "hi"]) == 2
+    assert "unknown preset 'no-such-model'" in capsys.readouterr().err
+    assert main(["models", "list"]) == 0
+    assert "smollm2-135m" in capsys.readouterr().out
