@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import gguf
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,7 +59,8 @@ def load_target(preset_or_path: str, dtype: str = "float32") -> Target:
         weights = load_hf_weights(path, cfg, np_dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
-        cfg, weights, _ = read_gguf(path, np_dtype)
-        tokenizer = Tokenizer.from_gguf(path)
+        reader = gguf.GGUFReader(path)
+        cfg, weights, _ = read_gguf(path, np_dtype, reader)
+        tokenizer = Tokenizer.from_gguf(reader)
     model = Decoder(cfg, weights, DTYPES[dtype])
     return Target(name=preset_or_path, path=path, cfg=cfg, model=model, tokenizer=tokenizer)

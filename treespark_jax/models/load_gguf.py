@@ -51,7 +51,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def read_gguf(
-    path: str | Path, dtype: DTypeLike = np.float32
+    path: str | Path, dtype: DTypeLike = np.float32, reader: gguf.GGUFReader | None = None
 ) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, str | None]]:
     """Reads a GGUF file's configuration and dequantized weights.
 
@@ -65,6 +65,8 @@ def read_gguf(
       path: the ``.gguf`` file.
       dtype: numpy dtype of the returned arrays (float32, float64, ``ml_dtypes.bfloat16``, ...);
         quantized blocks are decoded in float32 first.
+      reader: an already open reader of ``path`` (opening one costs seconds; the tokenizer can
+        share it).
 
     Returns:
       ``(cfg, weights, meta)``: the model configuration; the canonical weight dictionary
@@ -78,7 +80,7 @@ def read_gguf(
         from key width), a tensor of an unsupported quantization type or with an unknown name,
         or (from ``check_weights``) a missing or mis-shaped weight.
     """
-    reader = gguf.GGUFReader(path)
+    reader = reader or gguf.GGUFReader(path)
     cfg = _config(reader, path)
     weights = {}
     for tensor in reader.tensors:
