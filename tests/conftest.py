@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import pytest
 
 
@@ -18,3 +19,11 @@ def smollm2_gguf() -> Path:
     from treespark_jax.models.presets import preset_path
 
     return preset_path("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def x64():
+    """float64 for a whole test module: exactness tests where no near-tie can hide a bug."""
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", False)

@@ -29,13 +29,6 @@ PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 9, 4, 
 
 
 @pytest.fixture(scope="module")
-def x64():
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", False)
-
-
-@pytest.fixture(scope="module")
 def model(x64):
     return tiny_decoder("qwen3", seed=1)
 
