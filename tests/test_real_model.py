@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from treespark_jax.bench.greedy_check import first_divergence
-from treespark_jax.decode.engine import Engine
+from treespark_jax.config import TreeConfig
+from treespark_jax.decode.engine import Engine, Speculation
+from treespark_jax.drafter.random import RandomProposer
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.methods import speculation
 from treespark_jax.models.kv_cache import KVCache
@@ -57,20 +59,28 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2):
     compare_with_transformers(smollm2)
 
 
-def test_prompt_lookup_greedy_equals_ar_on_smollm2(smollm2):
+def assert_greedy_equal_up_to_near_ties(target, prompts, ar, out):
     """Divergences are allowed only at near-ties (AR top-2 gap ≤ 1e-4), and are reported."""
+    for p, a, o in zip(prompts, ar, out):
+        d = first_divergence(target.model, p, a, o)
+        assert d is None or d.near_tie, d
+        if d is None:
+            assert a == o
+
+
+def test_speculative_greedy_equals_ar_on_smollm2(smollm2):
     eng = Engine(smollm2.model, stop_ids=smollm2.tokenizer.stop_ids)
     prompts = [smollm2.tokenizer.encode(p) for p in SPEC_PROMPTS]
     ar, _ = eng.generate(prompts, 64)
     for budget in (4, 16):
-        spec = speculation("prompt_lookup", smollm2.cfg.vocab_size, budget)
-        out, stats = eng.generate(prompts, 64, spec=spec)
-        for p, a, o in zip(prompts, ar, out):
-            d = first_divergence(smollm2.model, p, a, o)
-            assert d is None or d.near_tie, d
-            if d is None:
-                assert a == o
+        out, stats = eng.generate(prompts, 64, spec=speculation("prompt_lookup", smollm2.cfg.vocab_size, budget))
+        assert_greedy_equal_up_to_near_ties(smollm2, prompts, ar, out)
         assert stats.tau > 1.0
+    random = RandomProposer(smollm2.cfg.vocab_size, block_size=4, pool_size=64, markov_rank=4)
+    for builder in ("chain", "marginal", "parent_conditioned", "treespark"):
+        tree = TreeConfig(budget=11, max_depth=4, branch=3, builder=builder)
+        out, _ = eng.generate(prompts, 24, spec=Speculation(random, tree))
+        assert_greedy_equal_up_to_near_ties(smollm2, prompts, [a[:24] for a in ar], out)
 
 
 def test_qwen25_coder_05b_matches_transformers():
