@@ -13,7 +13,8 @@ class DraftTree:
 
     Parents come before children, so for every ``n`` the first ``n`` valid nodes form a
     prefix-closed tree. Padding slots have ``valid = False``; they are never accepted and never
-    get a valid position.
+    get a valid position. The builders put all valid nodes first and fill padding with token 0,
+    parent ``-1``, depth 0, rank 0, pool index 0 and score ``-inf``.
 
     Attributes:
       tokens: ``[B, N]`` int32 token at each node.
@@ -23,7 +24,8 @@ class DraftTree:
       sibling_rank: ``[B, N]`` int32 draw order among siblings (0 = first).
       pool_index: ``[B, N]`` int32 position of the node's token in its depth's candidate pool.
       valid: ``[B, N]`` bool, real node vs padding.
-      score: ``[B, N]`` float32 the builder's priority (log survival); ``-inf`` for padding.
+      score: ``[B, N]`` float32 (float64 under a float64 proposal) the builder's priority: the
+        node's log survival, known before its own token is drawn; ``-inf`` for padding.
     """
 
     tokens: Int[Array, "B N"]

@@ -1,0 +1,202 @@
+"""What an expanded tree node offers: its candidate children and their priorities (log survival).
+
+Every best-first builder (DESIGN.md §1.2) is the same search with a different *survival model*
+``s(x | u)``, the estimated probability that child ``x`` of node ``u`` is accepted given that
+``u`` is; a node's score is the log of the product of survivals along its path:
+
+- ``chain`` and ``parent_conditioned``: ``s = q(x | x_u)``, the draft distribution (DFlash /
+  DSpark chain; PCTree-style parent-conditioned tree).
+- ``marginal``: ``s = softmax(U_j)(x)``, the per-depth marginal, the same for every parent
+  (DDTree, whose best-first search over these products is optimal for the top-``N`` prefixes).
+- ``treespark``: ``s = σ(edge logit)``, the calibrated edge head, renormalised so a node's
+  survivals sum to at most 1 over its whole pool: at most one child of a node is ever accepted,
+  under every verify rule, so the events are exclusive (DESIGN.md asks for it at ``temp = 0``;
+  a calibrated head already satisfies it, so it only guards against an uncalibrated one).
+
+``q`` is always ``processed_logprobs(child_logits(...), temp, top_p)`` (for a ``temp = 0`` row:
+the raw softmax), i.e. exactly the law the recursive-rejection verifier recomputes; tokens
+outside its support are never offered.
+
+Deterministic children (greedy and match rule) are the node's top-``branch`` by ``s``, with
+priority ``score(u) + log s(x)``. Sampled children (recursive rejection, ``temp > 0``) are drawn
+without replacement from ``q`` by Gumbel-top-k, which is exactly sequential sampling without
+replacement in draw order (Kool et al. 2019, "Stochastic Beams and Where to Find Them"; the
+draft side of SpecInfer §4 and Recursive Speculative Decoding, Jeon et al. 2024). Their
+priority must not look at the child's own token (DSpark Appendix A): slot ``k`` gets
+
+    score(u) + log E[s(x_k) | x_0..x_{k-1}] = score(u) + log Σ_{x ∉ S_k} q^(k)(x) s(x),
+
+the survival the deterministic rule would give the ``k``-th draw, replaced by its expectation
+under the law ``q^(k)`` of that draw (``q`` with the earlier draws ``S_k`` removed and
+renormalised, the verifier's ``q^(k)``). It reads only the node, the rank and the earlier
+siblings. If the target's token ``y`` behaved like a draw from ``s``, it is
+``P(y = x_k | x_0..x_{k-1})``, which already includes the chance ``1 − Σ_{i<k} s(x_i)`` that
+``y`` is not among the earlier siblings; summed over slots its expectation is at most 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from treespark_jax.sampling import processed_logprobs
+from treespark_jax.tree.proposal import Proposal, child_logits, edge_logits
+from treespark_jax.typing import Array, Float, Int
+
+
+def row_logprobs(logits: Float[Array, "... M"], temp: Float[Array, "..."], top_p: Float[Array, "..."]
+                 ) -> Float[Array, "... M"]:
+    """``processed_logprobs`` where ``temp > 0``; the raw log-softmax where ``temp = 0``.
+
+    ``temp = 0`` rows only need a ranking and a survival estimate, so they are processed at
+    temperature 1 without a nucleus.
+
+    Args:
+      logits: ``[..., M]`` float logits (``-inf`` for non-candidates).
+      temp: ``[...]`` float temperature.
+      top_p: ``[...]`` float nucleus mass.
+
+    Returns:
+      ``[..., M]`` float log-probabilities, ``-inf`` outside the support.
+    """
+    sampling = temp > 0
+    logp = processed_logprobs(logits, jnp.where(sampling, temp, 1), jnp.where(sampling, top_p, 1))
+    # A pool with no candidate normalises to NaN; it offers nothing.
+    return jnp.where(jnp.isfinite(logits), logp, -jnp.inf)
+
+
+def draft_logprobs(proposal: Proposal, depth: Int[Array, "B"], parent_token: Int[Array, "B"],
+                   temp: Float[Array, "B"], top_p: Float[Array, "B"]) -> Float[Array, "B M"]:
+    """``log q``: the draft distribution over the pool for one child set per row.
+
+    Args:
+      proposal: the round's Proposal.
+      depth: ``[B]`` int32 depth of the children (``1..P``).
+      parent_token: ``[B]`` int32 token of their parent (the anchor for depth 1).
+      temp: ``[B]`` float temperature; ``temp = 0`` rows get the raw softmax.
+      top_p: ``[B]`` float nucleus mass.
+
+    Returns:
+      ``[B, M]`` float log-probabilities in the proposal's dtype, ``-inf`` outside the support;
+      for rows with ``temp > 0`` exactly what the recursive-rejection verifier recomputes,
+      ``processed_logprobs(child_logits(...), temp, top_p)``.
+    """
+    logits = child_logits(proposal, depth[:, None], parent_token[:, None])[:, 0]
+    return row_logprobs(logits, temp, top_p)
+
+
+def depth_marginals(proposal: Proposal, temp: Float[Array, "B"], top_p: Float[Array, "B"]
+                    ) -> Float[Array, "B P M"]:
+    """``log softmax(U_j)`` of every depth, processed like ``q``: the ``marginal`` survival model.
+
+    It does not depend on the parent, so a build computes it once instead of once per node.
+
+    Args:
+      proposal: the round's Proposal.
+      temp, top_p: ``[B]`` float per-row settings.
+
+    Returns:
+      ``[B, P, M]`` float log-probabilities, ``-inf`` outside the support.
+    """
+    shape = proposal.pool_logits.shape[:2]
+    return row_logprobs(proposal.pool_logits, jnp.broadcast_to(temp[:, None], shape),
+                        jnp.broadcast_to(top_p[:, None], shape))
+
+
+def log_survival(proposal: Proposal, builder: str, depth: Int[Array, "B"], parent_token: Int[Array, "B"],
+                 logq: Float[Array, "B M"], marginals: Float[Array, "B P M"] | None) -> Float[Array, "B M"]:
+    """``log s(x | u)``, the builder's survival model over one node's pool (see the module doc).
+
+    Args:
+      proposal: the round's Proposal.
+      builder: static, one of ``config.BUILDERS``.
+      depth: ``[B]`` int32 depth of the children.
+      parent_token: ``[B]`` int32 token of the parent.
+      logq: ``[B, M]`` float ``draft_logprobs`` of the same children.
+      marginals: ``[B, P, M]`` float ``depth_marginals`` (needed by ``marginal`` only).
+
+    Returns:
+      ``[B, M]`` float log survivals, ``≤ 0``, ``-inf`` wherever ``logq`` is.
+
+    Raises:
+      ValueError: for an unknown builder.
+    """
+    if builder in ("chain", "parent_conditioned"):
+        return logq
+    if builder == "marginal":
+        at_depth = jnp.take_along_axis(marginals, (depth - 1)[:, None, None], axis=1)[:, 0]
+        return jnp.where(jnp.isfinite(logq), at_depth, -jnp.inf)
+    if builder == "treespark":
+        edge = edge_logits(proposal, depth[:, None], parent_token[:, None])[:, 0]
+        ls = jnp.where(jnp.isfinite(logq), jax.nn.log_sigmoid(edge), -jnp.inf)
+        total = jax.nn.logsumexp(ls, axis=-1, keepdims=True)
+        return ls - jnp.maximum(total, 0)
+    raise ValueError(f"builder {builder!r} has no survival model.")
+
+
+def sampled_slot_log_survival(logq: Float[Array, "B M"], log_s: Float[Array, "B M"],
+                              drawn: Int[Array, "B K"]) -> Float[Array, "B K"]:
+    """Non-anticipating log survival of the ``k``-th drawn child: ``log E[s(x_k) | x_0..x_{k-1}]``.
+
+    Slot ``k`` reads ``drawn[:, :k]`` only (never ``drawn[:, k]`` or later), so whether it is
+    admitted cannot depend on the token it will hold (DSpark Appendix A).
+
+    Args:
+      logq: ``[B, M]`` float log draft distribution the children are drawn from.
+      log_s: ``[B, M]`` float log survival model of the same children.
+      drawn: ``[B, K]`` int32 pool indices in draw order (without replacement).
+
+    Returns:
+      ``[B, K]`` float ``log Σ_{x ∉ S_k} q(x) s(x) − log Σ_{x ∉ S_k} q(x)``; ``-inf`` for slots at
+      or beyond the size of ``q``'s support (nothing left to draw) or whose remaining mass
+      underflows to 0.
+    """
+    m = logq.shape[-1]
+    k = drawn.shape[-1]
+    slots = jnp.arange(k)
+    # Draw rank of every pool entry (k if not drawn); entry x is gone before slot j iff rank < j.
+    draw_rank = jnp.min(jnp.where(drawn[:, :, None] == jnp.arange(m), slots[:, None], k), axis=1)
+    left = (draw_rank[:, None, :] >= slots[:, None]).astype(logq.dtype)  # [B, K, M] still undrawn
+    # Sums of the undrawn entries themselves (not 1 minus the drawn ones): no cancellation.
+    rem = jnp.einsum("BKM,BM->BK", left, jnp.exp(logq))
+    num = jnp.einsum("BKM,BM->BK", left, jnp.exp(logq + log_s))
+    support = jnp.sum(jnp.isfinite(logq), axis=-1)
+    ok = (slots < support[:, None]) & (rem > 0)
+    return jnp.where(ok, jnp.log(num) - jnp.log(jnp.where(ok, rem, 1)), -jnp.inf)
+
+
+def offer_children(proposal: Proposal, builder: str, depth: Int[Array, "B"], parent_token: Int[Array, "B"],
+                   parent_score: Float[Array, "B"], temp: Float[Array, "B"], top_p: Float[Array, "B"],
+                   branch: int, gumbel: Float[Array, "B M"] | None, marginals: Float[Array, "B P M"] | None
+                   ) -> tuple[Int[Array, "B K"], Float[Array, "B K"]]:
+    """The ``K = min(branch, M)`` child slots of one node per row, in sibling order.
+
+    Args:
+      proposal: the round's Proposal.
+      builder: static, one of ``config.BUILDERS``.
+      depth: ``[B]`` int32 depth of the children (``1..P``).
+      parent_token: ``[B]`` int32 token of the node being expanded.
+      parent_score: ``[B]`` float its score (log survival; 0 for the anchor).
+      temp, top_p: ``[B]`` float per-row settings.
+      branch: static most children per node.
+      gumbel: ``[B, M]`` float standard Gumbel noise reserved for this node, or ``None`` for
+        deterministic children. Rows with ``temp = 0`` get deterministic children either way.
+      marginals: ``[B, P, M]`` float ``depth_marginals`` for the ``marginal`` builder, else ``None``.
+
+    Returns:
+      ``(pool_index [B, K] int32, priority [B, K] float)``: slot ``k``'s pool index (deterministic:
+      ``k``-th best by ``s``; sampled: ``k``-th draw) and its priority, ``-inf`` for a slot that
+      cannot hold a candidate. Priorities never exceed ``parent_score``; deterministic ones are
+      non-increasing in ``k``.
+    """
+    logq = draft_logprobs(proposal, depth, parent_token, temp, top_p)
+    log_s = log_survival(proposal, builder, depth, parent_token, logq, marginals)
+    k = min(branch, logq.shape[-1])
+    best_s, best = jax.lax.top_k(log_s, k)
+    if gumbel is None:
+        return best, parent_score[:, None] + best_s
+    drawn = jax.lax.top_k(logq + gumbel, k)[1]
+    sampling = (temp > 0)[:, None]
+    pool_index = jnp.where(sampling, drawn, best)
+    slot_s = jnp.where(sampling, sampled_slot_log_survival(logq, log_s, drawn), best_s)
+    return pool_index, parent_score[:, None] + slot_s
