@@ -85,6 +85,7 @@ class GenerationStats:
     """Measurements of one ``generate`` call.
 
     Attributes:
+      rows: prompts in the call.
       new_tokens: tokens emitted over all rows.
       target_forwards: target calls (prefill + one per decode step or verify round).
       prefill_s: prefill wall time (seconds), including compiling both programs on first use.
@@ -95,6 +96,7 @@ class GenerationStats:
       rung_rounds: rounds that verified each ladder rung (list; empty for AR).
     """
 
+    rows: int
     new_tokens: int
     target_forwards: int
     prefill_s: float
@@ -106,8 +108,8 @@ class GenerationStats:
 
     @property
     def tokens_per_s(self) -> float:
-        """Decode throughput (emitted tokens after the first, per decode second)."""
-        decoded = self.new_tokens - 1 if self.new_tokens > 1 else 0
+        """Decode throughput: tokens emitted after each row's first (prefill's), per decode second."""
+        decoded = max(self.new_tokens - self.rows, 0)
         return decoded / self.decode_s if self.decode_s > 0 else float("nan")
 
 
@@ -237,7 +239,7 @@ class Engine:
         out, n_out, steps = jax.device_get((gen.out, gen.n_out, gen.steps))
         t2 = time.perf_counter()
         ids = [out[i, : n_out[i]].tolist() for i in range(len(prompts))]
-        stats = GenerationStats(new_tokens=int(sum(len(x) for x in ids)),
+        stats = GenerationStats(rows=len(prompts), new_tokens=int(sum(len(x) for x in ids)),
                                 target_forwards=1 + int(steps), prefill_s=t1 - t0,
                                 decode_s=t2 - t1, compiles=compiled_programs() - compiles)
         if spec is not None:
