@@ -68,6 +68,13 @@ def test_decode_loop_compiles_once_for_256_tokens_and_prefill_once_per_bucket(mo
     assert engine_mod._ar_program._cache_size() == loop_before
 
 
+def test_warmup_compiles_ahead_so_requests_do_not(model):
+    eng = Engine(model, stop_ids=[])
+    eng.warmup(batch=2, prompt_len=40, max_new_tokens=30, temp=0.5)
+    _, stats = eng.generate([[1] * 33, [2] * 50], 30, temp=0.5)  # same buckets: 2 rows, 64, 32
+    assert stats.compiles == 0
+
+
 def test_sampling_row_does_not_depend_on_its_batch(model):
     eng = Engine(model, stop_ids=[])
     batch, _ = eng.generate(PROMPTS, 10, temp=1.0, top_p=0.9, seed=[11, 12, 13])

@@ -209,6 +209,22 @@ class Engine:
         return _spec_program(self.graphdef, self.weights, state, requests, stop,
                              proposer=spec.proposer, cfg=self.spec_config(spec, temp))
 
+    def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, temp: float = 0.0,
+               spec: Speculation | None = None) -> int:
+        """Compiles the prefill and loop programs for these bucketed shapes ahead of requests.
+
+        For servers and notebooks: later requests in the same buckets start without compiling
+        (and with the persistent cache on, later processes too).
+
+        Returns:
+          The number of programs compiled.
+        """
+        before = compiled_programs()
+        prompts = [[0] * prompt_len] * batch
+        state, requests = self.start(prompts, max_new_tokens, temp, 1.0, 0, spec)
+        jax.block_until_ready(self.run(state, requests, 0, temp, spec))
+        return compiled_programs() - before
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float = 0.0,
                  top_p: float = 1.0, seed: int | Sequence[int] = 0, spec: Speculation | None = None
                  ) -> tuple[list[list[int]], GenerationStats]:
