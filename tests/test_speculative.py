@@ -82,7 +82,7 @@ def test_greedy_exactness_sweep(model, ar_reference, case, batch):
 def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match(x64):
     pl = PromptLookup(V, block_size=4, max_ngram=3)
     prompt = jnp.asarray([[1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 0], [6, 6, 6, 6, 0, 0, 0, 0, 0, 0, 0, 0]])
-    state = pl.init(prompt, jnp.asarray([11, 4]), jnp.asarray([3, 6]), None, 32)
+    state = pl.init(None, prompt, jnp.asarray([11, 4]), jnp.asarray([3, 6]), None, 32)
     # Row 0 history ends "... 1 2 | 3": the trigram "1 2 3" occurs at 0..2, so draft "4 5 9 2".
     # Row 1 history "6 6 6 6 | 6": the latest earlier "6 6 6" ends at index 3; one token follows.
     prop = jax.device_get(pl.propose(state, None, None))

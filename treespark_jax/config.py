@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 Family = Literal["llama", "qwen2", "qwen3"]
@@ -113,3 +114,72 @@ class TreeConfig:
                 f"ladder {ladder} must be strictly ascending positive sizes ending at budget={self.budget}."
             )
         object.__setattr__(self, "ladder", tuple(ladder))
+
+
+def default_layer_ids(n_target_layers: int, m: int = 5) -> tuple[int, ...]:
+    """Target layers a drafter reads by default: ``l_i = floor(1 + i·(n_layers_t − 4)/(m − 1) + 0.5)``.
+
+    0-based decoder layers spread evenly from layer 1 to layer ``n_layers_t − 3`` (DESIGN.md
+    §1.1). SmolLM2 (30 layers), ``m = 5``: ``(1, 8, 14, 21, 27)``.
+
+    Raises:
+      ValueError: if ``m < 1`` or the formula gives ids that repeat or fall outside the target
+        (too few target layers for ``m``); pass explicit ids then.
+    """
+    if m < 1:
+        raise ValueError(f"m={m} target layers must be at least 1.")
+    step = (n_target_layers - 4) / (m - 1) if m > 1 else 0.0
+    ids = tuple(math.floor(1 + i * step + 0.5) for i in range(m))
+    if len(set(ids)) != m or not all(0 <= i < n_target_layers for i in ids):
+        raise ValueError(
+            f"a {n_target_layers}-layer target is too shallow for m={m} default layer ids ({ids}); "
+            "pass target_layer_ids explicitly.")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Architecture of a block drafter (DESIGN.md §1.1; DFlash backbone, DSpark and TreeSpark heads).
+
+    Attributes:
+      target_layer_ids: 0-based target decoder layers whose outputs form the context features
+        (``m`` of them, concatenated in this order to ``m·D``); stored with every drafter, never
+        guessed (``for_target`` fills the default).
+      n_layers: drafter decoder layers (1–5), of the target's family and shapes.
+      block_size: P (γ), slots per block; slot ``j`` predicts the token at depth ``j + 1``.
+      pool_size: M, candidates per depth (the top-``M`` of the base logits ``U_j``).
+      markov_rank: R of the Markov head ``A(t, x) = E[t] · W[:, x]`` (0 = no Markov head).
+      confidence_head: has the DSpark confidence head ``c_j``.
+      edge_head: has the TreeSpark edge head (else the Proposal carries the identity Platt terms).
+
+    Raises:
+      ValueError: on an empty, repeated or negative layer id, ``n_layers`` outside 1–5, or a
+        non-positive block/pool size or a negative rank.
+    """
+
+    target_layer_ids: tuple[int, ...]
+    n_layers: int = 1
+    block_size: int = 8
+    pool_size: int = 256
+    markov_rank: int = 0
+    confidence_head: bool = False
+    edge_head: bool = False
+
+    def __post_init__(self):
+        ids = tuple(self.target_layer_ids)
+        if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+            raise ValueError(f"target_layer_ids={ids} must be distinct non-negative 0-based layers.")
+        object.__setattr__(self, "target_layer_ids", ids)
+        if not 1 <= self.n_layers <= 5:
+            raise ValueError(f"n_layers={self.n_layers} must be between 1 and 5 drafter layers.")
+        for name in ("block_size", "pool_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank={self.markov_rank} must be 0 (no Markov head) or more.")
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, m: int = 5, **fields) -> "DrafterConfig":
+        """A config reading ``default_layer_ids(target.n_layers, m)`` unless ids are given."""
+        fields.setdefault("target_layer_ids", default_layer_ids(target.n_layers, m))
+        return cls(**fields)

@@ -44,12 +44,12 @@ def _ar_program(graphdef, weights, state, requests, stop_after, *, greedy) -> Ge
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg", "capacity", "out_size"))
-def _spec_prefill_program(graphdef, weights, tokens, prompt_lens, active, requests, *, proposer,
-                          cfg, capacity, out_size) -> SpecState:
+def _spec_prefill_program(graphdef, weights, tokens, prompt_lens, active, requests, proposer_weights,
+                          *, proposer, cfg, capacity, out_size) -> SpecState:
     model = nnx.merge(graphdef, weights)
     gen, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
                        out_size=out_size, greedy=cfg.greedy, layer_ids=proposer.layer_ids)
-    pstate = proposer.init(tokens, prompt_lens, gen.anchor, out.features, capacity)
+    pstate = proposer.init(proposer_weights, tokens, prompt_lens, gen.anchor, out.features, capacity)
     stats = SpecStats.zeros(tokens.shape[0], cfg.tree.max_depth, len(cfg.ladder))
     return SpecState(gen=gen, proposer=pstate, stats=stats)
 
@@ -192,7 +192,8 @@ class Engine:
         if spec is None:
             state = _prefill_program(*args, capacity=capacity, out_size=out_size, greedy=temp == 0)
         else:
-            state = _spec_prefill_program(*args, proposer=spec.proposer, cfg=self.spec_config(spec, temp),
+            state = _spec_prefill_program(*args, spec.proposer.weights, proposer=spec.proposer,
+                                          cfg=self.spec_config(spec, temp),
                                           capacity=capacity, out_size=out_size)
         return state, requests
 

@@ -41,8 +41,9 @@ class PromptLookup:
     max_ngram: int = 3
     min_ngram: int = 1
     layer_ids: tuple[int, ...] = ()
+    weights = None
 
-    def init(self, prompt, prompt_lens, first, features, capacity) -> History:
+    def init(self, weights, prompt, prompt_lens, first, features, capacity) -> History:
         b, t = prompt.shape
         tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :t].set(prompt.astype(jnp.int32))
         tokens = tokens.at[jnp.arange(b), prompt_lens].set(first.astype(jnp.int32))

@@ -34,14 +34,19 @@ class Proposer(Protocol):
     Attributes:
       block_size: P, depths the Proposal covers.
       layer_ids: target layers whose features the proposer needs (empty: none).
+      weights: the proposer's arrays (a pytree, or ``None``). They are excluded from the
+        proposer's hash and passed to ``init`` as a traced argument, so a program is compiled
+        per proposer *shape*, never with weights baked in as constants.
     """
 
     block_size: int
     layer_ids: tuple[int, ...]
+    weights: Any
 
-    def init(self, prompt: Int[Array, "B T"], prompt_lens: Int[Array, "B"], first: Int[Array, "B"],
-             features: Float[Array, "B T F"] | None, capacity: int) -> Any:
-        """State after prefill (``first`` = the first emitted token, the first anchor)."""
+    def init(self, weights: Any, prompt: Int[Array, "B T"], prompt_lens: Int[Array, "B"],
+             first: Int[Array, "B"], features: Float[Array, "B T F"] | None, capacity: int) -> Any:
+        """State after prefill (``first`` = the first emitted token, the first anchor); the state
+        carries whatever of ``weights`` the later rounds need."""
 
     def propose(self, state: Any, anchor: Int[Array, "B"], keys: PRNGKeyArray) -> Proposal:
         """The round's Proposal for every row (``keys``: per-row, already folded by round)."""

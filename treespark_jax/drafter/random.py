@@ -23,8 +23,9 @@ class RandomProposer:
     pool_size: int = 16
     markov_rank: int = 4
     layer_ids: tuple[int, ...] = ()
+    weights = None
 
-    def init(self, prompt, prompt_lens, first, features, capacity) -> None:
+    def init(self, weights, prompt, prompt_lens, first, features, capacity) -> None:
         return None
 
     def propose(self, state: None, anchor, keys) -> Proposal:

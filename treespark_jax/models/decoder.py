@@ -15,7 +15,8 @@ from flax import nnx, struct
 
 from treespark_jax.config import ModelConfig
 from treespark_jax.models.kv_cache import KVCache
-from treespark_jax.models.layers import attention, rms_norm, rope, swiglu
+from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
+from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import check_weights, expected_shapes
 from treespark_jax.typing import Array, Bool, Float, Int
 
@@ -129,23 +130,11 @@ class Decoder(nnx.Module):
         for li, layer in enumerate(self.layers):
             p = layer.arrays(cfg)
             h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
-            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
-            if cfg.qkv_bias:
-                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-            q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
-            k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-            v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = rms_norm(q, p["q_norm"], cfg.rms_eps)
-                k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-            q = rope(q, positions, cfg.rope_theta)
-            k = rope(k, positions, cfg.rope_theta)
+            q = query_heads(p, cfg, h, positions)
+            k, v = key_value_heads(p, cfg, h, positions)
             k_all = k_all.at[li, rows, slots].set(k.astype(k_all.dtype), mode="drop")
             v_all = v_all.at[li, rows, slots].set(v.astype(v_all.dtype), mode="drop")
-            attn = attention(q, k_all[li], v_all[li], mask)
-            x = x + attn.reshape(b, t, -1) @ p["wo"]
-            h = rms_norm(x, p["mlp_norm"], cfg.rms_eps)
-            x = x + swiglu(h, p["w_gate"], p["w_up"], p["w_down"])
+            x = finish_layer(p, cfg, x, attention(q, k_all[li], v_all[li], mask))
             if li in layer_ids:
                 chosen[li] = x
         features = jnp.concatenate([chosen[i] for i in layer_ids], axis=-1) if layer_ids else None
@@ -155,6 +144,4 @@ class Decoder(nnx.Module):
 
     def logits(self, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """LM-head logits of final-norm hidden states (tied head = transposed embedding)."""
-        if self.cfg.tie_embeddings:
-            return jnp.einsum("BTD,VD->BTV", hidden, self.embed[...])
-        return hidden @ self.lm_head[...]
+        return lm_logits(hidden, self.embed[...], None if self.cfg.tie_embeddings else self.lm_head[...])

@@ -56,3 +56,11 @@ def swiglu(x: Float[Array, "B T D"], w_gate: Float[Array, "D F"], w_up: Float[Ar
            w_down: Float[Array, "F D"]) -> Float[Array, "B T D"]:
     """SwiGLU MLP (Shazeer, 2020): ``(silu(x W_gate) * x W_up) W_down``."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def lm_logits(hidden: Float[Array, "B T D"], embed: Float[Array, "V D"],
+              lm_head: Float[Array, "D V"] | None) -> Float[Array, "B T V"]:
+    """LM-head logits of final-norm hidden states; ``lm_head=None`` means tied embeddings."""
+    if lm_head is None:
+        return jnp.einsum("BTD,VD->BTV", hidden, embed)
+    return hidden @ lm_head

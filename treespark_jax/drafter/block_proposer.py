@@ -1,0 +1,135 @@
+"""The block drafter as a ``Proposer``: context cache in, one block forward per round out.
+
+Context semantics (the invariant every round keeps): row ``b``'s context cache holds the
+target features of every committed position ``0..lengths[b]−1``, and the anchor sits at
+position ``lengths[b]``, outside the context; so ``lengths`` always equals the target KV
+cache's committed length.
+
+- ``init``: the prompt's rows ``0..prompt_lens−1`` (padding rows are ignored). The first anchor,
+  sampled from the prefill's last row, has no features yet.
+- ``propose``: one forward over the ``P`` block slots at positions ``lengths + j``.
+- ``update``: verification returned the features of the anchor (row 0) and of the accepted
+  nodes, exactly the ``Committed.n`` positions that became committed; they are appended. The
+  bonus token is the next anchor and, again, not in the context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx, struct
+
+from treespark_jax.config import DrafterConfig
+from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.drafter.proposer import Committed
+from treespark_jax.models.decoder import Decoder
+from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.tree.proposal import Proposal
+from treespark_jax.typing import Array, Float, Int
+
+
+@struct.dataclass
+class DrafterWeights:
+    """What stays fixed during a generation.
+
+    Attributes:
+      params: the drafter's trainable parameters (``nnx.State``).
+      head: the target's frozen embedding and LM head.
+      edge_tokens: ``[2, V]`` per-token edge terms derived from both (``BlockDrafter.edge_tokens``).
+    """
+
+    params: nnx.State
+    head: TargetHead
+    edge_tokens: Float[Array, "2 V"]
+
+
+@struct.dataclass
+class DrafterState:
+    """Proposer state: the weights and the context cache (``[L_d, B, S, K, E]``, ``lengths [B]``)."""
+
+    weights: DrafterWeights
+    context: KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockProposer:
+    """A block drafter bound to its target, usable as ``Speculation(proposer, tree)``.
+
+    Compared and hashed by configuration and graph only: ``weights`` reach the compiled programs
+    as a traced argument of ``init`` (then live in the state), so drafters of the same shape
+    share one program and no weights are compiled in. Build it with ``BlockProposer.create``.
+
+    Attributes:
+      cfg: the drafter's configuration.
+      graphdef: the drafter's NNX graph definition.
+      weights: parameters, the target's head and the derived edge terms.
+    """
+
+    cfg: DrafterConfig
+    graphdef: nnx.GraphDef
+    weights: DrafterWeights = dataclasses.field(compare=False, hash=False)
+
+    @classmethod
+    def create(cls, drafter: BlockDrafter, target: Decoder) -> "BlockProposer":
+        """Binds ``drafter`` to ``target``'s embedding and LM head (shared, not copied into params).
+
+        Raises:
+          ValueError: when the drafter was built for a different target architecture.
+        """
+        if drafter.target_cfg != target.cfg:
+            raise ValueError(f"the drafter was built for target {drafter.target_cfg}, not for {target.cfg}.")
+        graphdef, params = nnx.split(drafter)
+        head = TargetHead.of(target, drafter.dtype)
+        return cls(cfg=drafter.cfg, graphdef=graphdef,
+                   weights=DrafterWeights(params=params, head=head, edge_tokens=drafter.edge_tokens(head)))
+
+    @property
+    def block_size(self) -> int:
+        """P, depths the Proposal covers."""
+        return self.cfg.block_size
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose outputs form the drafter's context features."""
+        return self.cfg.target_layer_ids
+
+    def drafter(self, weights: DrafterWeights) -> BlockDrafter:
+        """The drafter module over ``weights.params`` (inside ``jit``: no weight copy)."""
+        return nnx.merge(self.graphdef, weights.params)
+
+    def init(self, weights: DrafterWeights, prompt: Int[Array, "B T"], prompt_lens: Int[Array, "B"],
+             first: Int[Array, "B"], features: Float[Array, "B T X"] | None, capacity: int) -> DrafterState:
+        """The context after prefill: the features of each row's ``prompt_lens`` prompt tokens.
+
+        Args:
+          weights: this proposer's ``weights`` (traced).
+          prompt: ``[B, T]`` int32 right-padded prompts (unused: the features carry them).
+          prompt_lens: ``[B]`` int32 real prompt lengths.
+          first: ``[B]`` int32 first anchor, at position ``prompt_lens`` (no features yet).
+          features: ``[B, T, m·D]`` prefill features of ``layer_ids``.
+          capacity: context positions per row (the target cache's capacity).
+
+        Raises:
+          ValueError: when ``features`` is missing.
+        """
+        if features is None:
+            raise ValueError("the block drafter needs the target's prefill features of its layer_ids.")
+        drafter = self.drafter(weights)
+        context = drafter.extend_context(drafter.empty_context(prompt.shape[0], capacity), features, prompt_lens)
+        return DrafterState(weights=weights, context=context)
+
+    def propose(self, state: DrafterState, anchor: Int[Array, "B"], keys) -> Proposal:
+        """One block forward from each row's anchor (deterministic: ``keys`` are not used)."""
+        drafter = self.drafter(state.weights)
+        return drafter.proposal(drafter(anchor, state.context, state.weights.head), state.weights.edge_tokens)
+
+    def update(self, state: DrafterState, committed: Committed) -> DrafterState:
+        """Appends the features of the ``committed.n`` committed rows (anchor first).
+
+        Raises:
+          ValueError: when ``committed.features`` is missing.
+        """
+        if committed.features is None:
+            raise ValueError("the block drafter needs the target's features of the committed rows.")
+        context = self.drafter(state.weights).extend_context(state.context, committed.features, committed.n)
+        return state.replace(context=context)

@@ -1,0 +1,233 @@
+"""The block drafter: one forward over ``P`` slots proposes every depth of a round (DFlash backbone).
+
+Context features (``m`` target layers, ``m·D`` per committed token) are projected to ``D`` by one
+matrix and RMSNorm; each drafter layer turns them into keys/values once, kept in a context
+cache (a ``KVCache`` of the drafter's layers). A round's block holds the anchor in slot 0 and
+a learned MASK embedding in slots ``1..P−1``; its queries attend to the committed context plus
+the whole block (bidirectional inside the block), with RoPE at absolute positions. Slot ``j``
+predicts the token at depth ``j + 1`` through the target's frozen LM head (DESIGN.md §1.1;
+DFlash, "Block Diffusion for Flash Speculative Decoding": context projection, MASK slots,
+context keys/values in every layer).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from treespark_jax.config import DrafterConfig, ModelConfig
+from treespark_jax.drafter.heads import ConfidenceHead, EdgeHead, MarkovHead, platt_identity_terms
+from treespark_jax.models.decoder import Decoder, DecoderLayer, layer_param_names
+from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
+from treespark_jax.models.layers import attention, lm_logits, rms_norm
+from treespark_jax.models.weights import expected_shapes
+from treespark_jax.tree.proposal import Proposal
+from treespark_jax.typing import Array, Float, Int
+
+
+@struct.dataclass
+class TargetHead:
+    """The target's token embedding and LM head, shared with the drafter and never trained by it.
+
+    Attributes:
+      embed: ``[V, D]`` token embedding (also the head when ``lm_head`` is ``None``).
+      lm_head: ``[D, V]`` untied LM head, or ``None`` for tied embeddings.
+    """
+
+    embed: Float[Array, "V D"]
+    lm_head: Float[Array, "D V"] | None
+
+    @classmethod
+    def of(cls, target: Decoder, dtype) -> "TargetHead":
+        """The target's arrays in the drafter's ``dtype`` (no copy when the dtypes agree)."""
+        head = target.lm_head[...].astype(dtype) if not target.cfg.tie_embeddings else None
+        return cls(embed=target.embed[...].astype(dtype), lm_head=head)
+
+    def logits(self, hidden: Float[Array, "B P D"]) -> Float[Array, "B P V"]:
+        """LM-head logits of final-norm hidden states."""
+        return lm_logits(hidden, self.embed, self.lm_head)
+
+
+@struct.dataclass
+class DrafterOutput:
+    """One block forward.
+
+    Attributes:
+      hidden: ``[B, P, D]`` final-norm hidden states ``h_j``.
+      logits: ``[B, P, V]`` base logits ``U_j`` for depth ``j + 1``.
+    """
+
+    hidden: Float[Array, "B P D"]
+    logits: Float[Array, "B P V"]
+
+
+class BlockDrafter(nnx.Module):
+    """Block drafter with optional Markov, confidence and edge heads.
+
+    Parameters (all trainable): the context projection ``fc [m·D, D]`` and its RMSNorm scale,
+    the MASK embedding ``[D]``, ``cfg.n_layers`` decoder layers of the target's family and
+    shapes, a final RMSNorm, and the enabled heads. The target's embedding and LM head are
+    arguments (``TargetHead``), not parameters.
+
+    Args:
+      cfg: drafter architecture.
+      target: the target's architecture (the layers copy its family switches and shapes).
+      rngs: ``params`` stream for the random initialisation.
+      std: standard deviation of the random matrices and the MASK embedding (norm scales start
+        at 1; the edge and confidence heads start at zero weights).
+      dtype: parameter and compute dtype.
+
+    Raises:
+      ValueError: a target layer id at or above ``target.n_layers``, or a pool larger than V.
+    """
+
+    def __init__(self, cfg: DrafterConfig, target: ModelConfig, *, rngs: nnx.Rngs, std: float = 0.02,
+                 dtype=jnp.float32):
+        if max(cfg.target_layer_ids) >= target.n_layers:
+            raise ValueError(f"target_layer_ids {cfg.target_layer_ids} name layers beyond the target's "
+                             f"{target.n_layers}.")
+        if cfg.pool_size > target.vocab_size:
+            raise ValueError(f"pool_size={cfg.pool_size} exceeds the vocabulary of {target.vocab_size} tokens.")
+        self.cfg, self.target_cfg, self.dtype = cfg, target, dtype
+        d = target.d_model
+
+        def normal(shape):
+            return std * jax.random.normal(rngs.params(), shape, dtype)
+
+        self.fc = nnx.Param(normal((len(cfg.target_layer_ids) * d, d)))
+        self.context_norm = nnx.Param(jnp.ones((d,), dtype))
+        self.mask_embed = nnx.Param(normal((d,)))
+        shapes = expected_shapes(target)
+        self.layers = nnx.List([
+            DecoderLayer(target, {n: jnp.ones(shapes[f"layers.0.{n}"], dtype) if "norm" in n
+                                  else normal(shapes[f"layers.0.{n}"]) for n in layer_param_names(target)})
+            for _ in range(cfg.n_layers)])
+        self.final_norm = nnx.Param(jnp.ones((d,), dtype))
+        self.markov = (MarkovHead(target.vocab_size, cfg.markov_rank, rngs=rngs, std=std, dtype=dtype)
+                       if cfg.markov_rank else None)
+        self.edge = EdgeHead(cfg.block_size, d, dtype) if cfg.edge_head else None
+        self.confidence = ConfidenceHead(d, dtype) if cfg.confidence_head else None
+
+    def empty_context(self, batch: int, capacity: int) -> KVCache:
+        """A context cache of ``capacity`` positions (tokens) per row, all rows empty."""
+        t = self.target_cfg
+        shape = (self.cfg.n_layers, batch, capacity, t.n_kv_heads, t.head_dim)
+        return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
+                       lengths=jnp.zeros((batch,), jnp.int32))
+
+    def extend_context(self, context: KVCache, features: Float[Array, "B T X"], n: Int[Array, "B"]
+                       ) -> KVCache:
+        """Appends the first ``n[b]`` rows of ``features`` to each row's context.
+
+        Row ``t`` of ``features`` is the target's feature vector of the token at position
+        ``context.lengths[b] + t`` (slot = position: the context holds every committed token from
+        position 0). Each drafter layer's keys (RoPE at that position) and values of
+        ``RMSNorm(features @ fc)`` go to those slots; rows ``t ≥ n[b]`` and slots beyond the
+        capacity are dropped.
+
+        Args:
+          context: the cache (``[L_d, B, S, K, E]``, per-row ``lengths``).
+          features: ``[B, T, m·D]`` target features, concatenated in ``cfg.target_layer_ids`` order.
+          n: ``[B]`` int32 rows to commit per batch row (0 leaves the row unchanged).
+
+        Returns:
+          The cache with ``lengths + n``.
+        """
+        t_cfg = self.target_cfg
+        b, t, _ = features.shape
+        ctx = rms_norm(features.astype(self.dtype) @ self.fc[...], self.context_norm[...], t_cfg.rms_eps)
+        offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+        positions = context.lengths[:, None] + offsets
+        slots = jnp.where(offsets < n[:, None], positions, context.capacity)  # out of range: dropped
+        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        k_all, v_all = context.k, context.v
+        for li, layer in enumerate(self.layers):
+            k, v = key_value_heads(layer.arrays(t_cfg), t_cfg, ctx, positions)
+            k_all = k_all.at[li, rows, slots].set(k, mode="drop")
+            v_all = v_all.at[li, rows, slots].set(v, mode="drop")
+        return context.replace(k=k_all, v=v_all, lengths=context.lengths + n.astype(jnp.int32))
+
+    def block_inputs(self, anchor: Int[Array, "B"], head: TargetHead) -> Float[Array, "B P D"]:
+        """Slot 0 = the anchor's (target) embedding, slots ``1..P−1`` = the MASK embedding."""
+        b, p = anchor.shape[0], self.cfg.block_size
+        mask = jnp.broadcast_to(self.mask_embed[...], (b, p - 1, self.mask_embed.shape[0]))
+        return jnp.concatenate([head.embed[anchor][:, None].astype(self.dtype), mask], axis=1)
+
+    def __call__(self, anchor: Int[Array, "B"], context: KVCache, head: TargetHead) -> DrafterOutput:
+        """One block forward: slot ``j`` at position ``context.lengths + j`` predicts depth ``j + 1``.
+
+        Queries come from the block; keys/values are the context cache's committed slots
+        (``s < lengths``) followed by the block's own, computed here and not cached.
+
+        Args:
+          anchor: ``[B]`` int32 last committed token, at position ``context.lengths`` (not in
+            the context yet: its features come from its own verification).
+          context: the context cache, ``lengths[b]`` = committed positions of row ``b``.
+          head: the target's embedding and LM head.
+
+        Returns:
+          ``DrafterOutput`` with ``h_j [B, P, D]`` and ``U_j [B, P, V]``.
+        """
+        t_cfg, p = self.target_cfg, self.cfg.block_size
+        x = self.block_inputs(anchor, head)
+        b = x.shape[0]
+        positions = context.lengths[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :]
+        committed = jnp.arange(context.capacity)[None, None, :] < context.lengths[:, None, None]
+        mask = jnp.concatenate([jnp.broadcast_to(committed, (b, p, context.capacity)),
+                                jnp.ones((b, p, p), bool)], axis=2)
+        for li, layer in enumerate(self.layers):
+            w = layer.arrays(t_cfg)
+            h = rms_norm(x, w["attn_norm"], t_cfg.rms_eps)
+            k, v = key_value_heads(w, t_cfg, h, positions)
+            keys = jnp.concatenate([context.k[li], k], axis=1)
+            values = jnp.concatenate([context.v[li], v], axis=1)
+            x = finish_layer(w, t_cfg, x, attention(query_heads(w, t_cfg, h, positions), keys, values, mask))
+        hidden = rms_norm(x, self.final_norm[...], t_cfg.rms_eps)
+        return DrafterOutput(hidden=hidden, logits=head.logits(hidden))
+
+    def edge_tokens(self, head: TargetHead) -> Float[Array, "2 V"]:
+        """Per-token edge terms ``[w_t · E[t], w_x · E[t]]`` (zeros without an edge head).
+
+        They depend only on the weights, so a generation computes them once, not per round.
+        """
+        if self.edge is None:
+            return jnp.zeros((2, self.target_cfg.vocab_size), self.dtype)
+        return self.edge.token_terms(head.embed)
+
+    def proposal(self, out: DrafterOutput, edge_tokens: Float[Array, "2 V"]) -> Proposal:
+        """The round's Proposal: top-``M`` pool of each ``U_j`` plus the heads' factors.
+
+        Args:
+          out: the block forward.
+          edge_tokens: ``[2, V]`` from ``edge_tokens`` (same weights).
+
+        Returns:
+          ``Proposal`` with ``pool_ids [B, P, M]`` (candidates by descending ``U_j``) and float
+          fields in the drafter's dtype; ``R = 0`` Markov factors without a Markov head.
+        """
+        b, p, v = out.logits.shape
+        m = self.cfg.pool_size
+        pool_logits, pool_ids = jax.lax.top_k(out.logits, m)
+        pool_ids = pool_ids.astype(jnp.int32)
+        if self.markov is None:
+            markov = jnp.zeros((v, 0), self.dtype), jnp.zeros((b, p, 0, m), self.dtype)
+        else:
+            markov = self.markov.proposal_terms(pool_ids)
+        edge = (platt_identity_terms(b, p, m, v, self.dtype) if self.edge is None
+                else self.edge.proposal_terms(out.hidden, pool_ids, edge_tokens))
+        return Proposal(pool_ids=pool_ids, pool_logits=pool_logits, markov_parent=markov[0],
+                        markov_child=markov[1], hidden=out.hidden, **edge)
+
+    def confidence_logits(self, hidden: Float[Array, "B P D"], prev_token: Int[Array, "B P"],
+                          head: TargetHead) -> Float[Array, "B P"]:
+        """DSpark confidence logits ``w · [h_j ; E[t_prev]] + b``; ``t_prev`` = token at depth ``j``.
+
+        Raises:
+          ValueError: when the drafter has no confidence head.
+        """
+        if self.confidence is None:
+            raise ValueError("this drafter was built without a confidence head (confidence_head=False).")
+        return self.confidence(hidden, head.embed[prev_token])
+
