@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
 import pytest
+
+# The CLI tests call ``load``, which turns on JAX's persistent compilation cache for the whole
+# process; the suite compiles hundreds of one-off programs, and a run of the full suite once
+# crashed inside the cache's executable serialisation (jax 0.10.2, CPU). Keep it off in tests.
+os.environ.setdefault("TREESPARK_JAX_CACHE", "off")
 
 
 @pytest.fixture(scope="session")
