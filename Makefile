@@ -24,8 +24,12 @@ demo: install
 	$(PY) -m treespark_jax.cli models fetch smollm2-135m
 	$(PY) -m treespark_jax.cli generate --chat --prompt "$(PROMPT)" --max-new-tokens 96
 
+# Three pytest processes, so that memory held by one group (real 0.5B weights, hundreds of
+# one-off compiled programs) never adds up with another's on a 24 GiB machine.
 test: install-test
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow and parity" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "slow and not parity" $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -72,10 +72,17 @@ def test_greedy_speculative_equals_greedy_ar(model, ar_reference, case):
     assert stats.tau >= 1.0
 
 
+@pytest.fixture
+def fresh_compile_caches():
+    """Each sweep case compiles programs no other case reuses: drop them afterwards."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_greedy_exactness_sweep(model, ar_reference, case, batch):
+def test_greedy_exactness_sweep(model, ar_reference, case, batch, fresh_compile_caches):
     run_greedy_case(model, ar_reference, case, batch)
 
 
