@@ -33,3 +33,22 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="module")
+def target64(x64):
+    """The tiny float64 Qwen3 target of the speculative exactness tests."""
+    from tiny import tiny_decoder
+
+    return tiny_decoder("qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def ar_reference(target64):
+    """Greedy AR continuations (40 tokens) of ``tiny.SPEC_PROMPTS`` by ``target64``."""
+    from tiny import SPEC_PROMPTS
+
+    from treespark_jax.decode.engine import Engine
+
+    ids, _ = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40)
+    return ids

@@ -25,10 +25,10 @@ from treespark_jax.models.layer_parts import finish_layer, key_value_heads, quer
 from treespark_jax.models.layers import attention, rms_norm
 from treespark_jax.tree.proposal import child_logits, edge_logits
 
-from tiny import tiny_config, tiny_decoder
+from tiny import SPEC_PROMPTS, tiny_config, tiny_decoder
 
 LAYER_IDS = (0, 2)  # of the 3-layer tiny target
-PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 9, 4, 4]]
+PROMPTS = SPEC_PROMPTS
 
 
 def make_drafter(target: Decoder, seed: int = 0, **fields) -> BlockDrafter:
@@ -253,17 +253,6 @@ def test_heads_and_configs_reject_bad_settings(target32):
 
 
 # ---------------------------------------------------------------- float64, end to end
-
-
-@pytest.fixture(scope="module")
-def target64(x64):
-    return tiny_decoder("qwen3", seed=1)
-
-
-@pytest.fixture(scope="module")
-def ar_reference(target64):
-    ids, _ = Engine(target64, stop_ids=[]).generate(PROMPTS, 40)
-    return ids
 
 
 @pytest.mark.parametrize("builder", ["treespark", "parent_conditioned"])

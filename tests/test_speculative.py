@@ -21,22 +21,15 @@ from treespark_jax.tree.builders import build_tree
 from treespark_jax.tree.masks import verify_inputs
 from treespark_jax.tree.random_proposal import random_proposal
 
-from tiny import tiny_decoder
+from tiny import SPEC_PROMPTS
 
 V = 97
-# Repetitive prompts give prompt lookup real matches; the tiny model also falls into loops.
-PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 9, 4, 4]]
+PROMPTS = SPEC_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def model(x64):
-    return tiny_decoder("qwen3", seed=1)
-
-
-@pytest.fixture(scope="module")
-def ar_reference(model):
-    ids, _ = Engine(model, stop_ids=[]).generate(PROMPTS, 40)
-    return ids
+def model(target64):
+    return target64
 
 
 def proposer(kind):

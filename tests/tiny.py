@@ -7,6 +7,9 @@ import jax.numpy as jnp
 from treespark_jax.config import ModelConfig
 from treespark_jax.models.decoder import Decoder
 
+# Repetitive prompts give prompt lookup real matches; the tiny model also falls into loops.
+SPEC_PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 9, 4, 4]]
+
 TINY_FIELDS = dict(vocab_size=97, d_model=48, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                    mlp_dim=80, rope_theta=5000.0, rms_eps=1e-5, max_positions=512)
 
