@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -92,7 +93,8 @@ class GenerationStats:
       decode_s: wall time of the decode loop until the last token (seconds, no compilation).
       compiles: programs compiled during the call.
       tau: mean tokens committed per verify round, bonus included (1 for AR).
-      tau_per_depth: acceptance rate at depth ``j + 1`` given depth ``j`` was reached (list).
+      tau_per_depth: acceptance rate at depth ``j + 1`` given depth ``j`` was reached (list;
+        ``None`` where depth ``j`` was never reached).
       rung_rounds: rounds that verified each ladder rung (list; empty for AR).
     """
 
@@ -126,8 +128,8 @@ def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temp: float, 
         raise ValueError("no prompts were given; pass at least one prompt.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1.")
-    if temp < 0:
-        raise ValueError(f"temperature {temp} is negative; use 0 for greedy or a positive value.")
+    if not (temp >= 0 and math.isfinite(temp)):
+        raise ValueError(f"temperature {temp} is negative or not finite; use 0 for greedy or a positive value.")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} is outside (0, 1].")
     for i, n in enumerate(prompt_lens):
@@ -290,6 +292,6 @@ def _add_spec_stats(stats: GenerationStats, spec: SpecStats, n_rows: int) -> Non
     rounds = int(spec.rounds[:n_rows].sum())
     stats.tau = (rounds + int(spec.accepted[:n_rows].sum())) / max(rounds, 1)
     reached = spec.depth_reached[:n_rows].sum(0)
-    stats.tau_per_depth = [float(a / r) if r else float("nan")
+    stats.tau_per_depth = [float(a / r) if r else None  # None: depth never reached (valid JSON)
                            for a, r in zip(spec.depth_accepted[:n_rows].sum(0), reached)]
     stats.rung_rounds = spec.rung_rounds.tolist()

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -52,6 +53,8 @@ def load_target(preset_or_path: str, dtype: str = "float32") -> Target:
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}.")
+    if dtype == "float64":
+        jax.config.update("jax_enable_x64", True)  # else JAX silently truncates to float32
     path = resolve_target(preset_or_path)
     np_dtype = np.float64 if dtype == "float64" else np.float32
     if path.is_dir():
