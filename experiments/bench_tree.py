@@ -60,7 +60,7 @@ def main() -> None:
     prompts = [tok.encode(p) for p in PROMPTS]
     budgets = [int(b) for b in args.budgets.split(",")]
     n = args.max_new_tokens
-    specs = {b: speculation("prompt_lookup", target.cfg.vocab_size, b) for b in budgets}
+    specs = {b: speculation("prompt_lookup", target, b) for b in budgets}
 
     seconds_per_token(engine, [prompts[0]], 4, None)  # compile AR
     for spec in specs.values():

@@ -76,7 +76,7 @@ def test_speculative_greedy_equals_ar_on_smollm2(smollm2):
     prompts = [smollm2.tokenizer.encode(p) for p in SPEC_PROMPTS]
     ar, _ = eng.generate(prompts, 64)
     for budget in (4, 16):
-        out, stats = eng.generate(prompts, 64, spec=speculation("prompt_lookup", smollm2.cfg.vocab_size, budget))
+        out, stats = eng.generate(prompts, 64, spec=speculation("prompt_lookup", smollm2, budget))
         assert_greedy_equal_up_to_near_ties(smollm2, prompts, ar, out)
         assert stats.tau > 1.0
     random = RandomProposer(smollm2.cfg.vocab_size, block_size=4, pool_size=64, markov_rank=4)

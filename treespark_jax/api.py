@@ -13,8 +13,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from treespark_jax.decode.engine import Engine, GenerationStats
-from treespark_jax.methods import DEFAULT_BUDGET, speculation
+from flax import nnx
+
+from treespark_jax.decode.engine import Engine, GenerationStats, Speculation
+from treespark_jax.drafter.model import BlockDrafter
+from treespark_jax.methods import DEFAULT_BUDGET, drafter_config, recipe, speculation
 from treespark_jax.models.load import Target, load_target
 from treespark_jax.models.presets import DEFAULT_PRESET
 from treespark_jax.models.tokenizer import StreamDecoder
@@ -46,6 +49,42 @@ class TreeSpark:
         self.target = target
         self.tokenizer = target.tokenizer
         self.engine = Engine(target.model, target.tokenizer.stop_ids)
+        self._drafters: dict[str, BlockDrafter] = {}
+
+    def drafter(self, method: str, drafter: str | BlockDrafter | None = None) -> BlockDrafter | None:
+        """The block drafter ``method`` runs with (``None`` for methods without one).
+
+        Args:
+          method: a method of ``methods.METHODS``.
+          drafter: a ``BlockDrafter``, a drafter checkpoint directory (loaded once and kept), or
+            ``"random"``: a randomly initialised drafter with the recipe's heads (seed 0), for
+            checks and cost profiling (τ ≈ 1). ``None``: no drafter ships by default yet.
+
+        Raises:
+          ValueError: a drafter for a method without one, a checkpoint made for another target,
+            or a missing/corrupt checkpoint.
+        """
+        r = recipe(method)
+        if r.proposer != "block" and drafter is not None:
+            raise ValueError(f"method {method!r} uses no block drafter; drop the drafter {drafter!r}.")
+        if drafter is None or isinstance(drafter, BlockDrafter):
+            return drafter
+        if drafter not in self._drafters:
+            if drafter == "random":
+                cfg = drafter_config(r.drafter_loss, self.target.cfg)
+                self._drafters[drafter] = BlockDrafter(cfg, self.target.cfg, rngs=nnx.Rngs(0),
+                                                       dtype=self.target.model.dtype)
+            else:
+                from treespark_jax.drafter.checkpoint import load_drafter
+
+                self._drafters[drafter] = load_drafter(drafter, self.target, dtype=self.target.model.dtype)[0]
+        return self._drafters[drafter]
+
+    def speculation(self, method: str, budget: int = DEFAULT_BUDGET, *, drafter: str | BlockDrafter | None = None,
+                    builder: str | None = None, verify: str | None = None) -> Speculation | None:
+        """The engine settings of ``method`` (see ``methods.speculation``; ``drafter`` as in ``drafter``)."""
+        return speculation(method, self.target.model, budget, drafter=self.drafter(method, drafter),
+                           builder=builder, verify=verify)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids for ``prompt``: raw text, or one user turn through the chat template."""
@@ -56,7 +95,9 @@ class TreeSpark:
 
     def generate(self, prompt: str | list[str], *, chat: bool = False, max_new_tokens: int = 128,
                  temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar",
-                 budget: int = DEFAULT_BUDGET) -> GenerationResult | list[GenerationResult]:
+                 budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
+                 builder: str | None = None, verify: str | None = None
+                 ) -> GenerationResult | list[GenerationResult]:
         """Generates a reply for one prompt or a batch.
 
         Args:
@@ -68,14 +109,17 @@ class TreeSpark:
           seed: request seed; prompt ``i`` of a batch uses ``seed + i``.
           method: decoding method, one of ``methods.METHODS``.
           budget: maximum drafted tree nodes per round N (speculative methods).
+          drafter: the block drafter of a drafter method (see ``drafter``).
+          builder: overrides the method's tree builder (ablations).
+          verify: overrides the method's verify rule at temp > 0 (ablations).
 
         Returns:
           A ``GenerationResult`` (a list of them for a list of prompts).
 
         Raises:
-          ValueError: unknown method or invalid request (one sentence naming the value).
+          ValueError: unknown method, missing drafter or invalid request (one sentence naming the value).
         """
-        spec = speculation(method, self.target.cfg.vocab_size, budget)
+        spec = self.speculation(method, budget, drafter=drafter, builder=builder, verify=verify)
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = [self.encode_prompt(t, chat) for t in texts]
         out, stats = self.engine.generate(ids, max_new_tokens, temp, top_p, seed, spec)
@@ -85,9 +129,11 @@ class TreeSpark:
 
     def stream(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
                temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar",
-               budget: int = DEFAULT_BUDGET) -> Iterator[str]:
-        """Yields the reply's text as it is committed (only complete UTF-8 characters)."""
-        spec = speculation(method, self.target.cfg.vocab_size, budget)
+               budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
+               builder: str | None = None, verify: str | None = None) -> Iterator[str]:
+        """Yields the reply's text as it is committed (only complete UTF-8 characters); arguments
+        as in ``generate``."""
+        spec = self.speculation(method, budget, drafter=drafter, builder=builder, verify=verify)
         decoder = StreamDecoder(self.tokenizer)
         prompt_ids = self.encode_prompt(prompt, chat)
         for ids in self.engine.stream(prompt_ids, max_new_tokens, temp, top_p, seed, spec):

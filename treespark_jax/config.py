@@ -87,6 +87,9 @@ class TreeConfig:
         always verifies with the greedy rule.
       ladder: verify sizes the round may choose from (ascending, last = ``budget``); empty means
         ``default_ladder(budget)``.
+      stop: verify only as many nodes as the cost-aware stop picks from the ladder (DESIGN.md
+        §1.5); ``None`` means on for the ``treespark`` builder and off (always verify all N)
+        for the others.
 
     Raises:
       ValueError: on a non-positive budget/depth/branch, an unknown builder or rule, or a ladder
@@ -99,8 +102,11 @@ class TreeConfig:
     builder: str = "treespark"
     verify: str = "rejection"
     ladder: tuple[int, ...] = ()
+    stop: bool | None = None
 
     def __post_init__(self):
+        if self.stop is None:
+            object.__setattr__(self, "stop", self.builder == "treespark")
         for name in ("budget", "max_depth", "branch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")

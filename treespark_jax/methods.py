@@ -1,36 +1,134 @@
 """The method registry shared by ``generate`` and ``bench``: each recipe = proposer + builder + rule.
 
-Names follow the literature (DESIGN.md §4) so a row means what readers expect. Methods that need
-a trained drafter join the registry with the drafter.
+Names follow the literature (DESIGN.md §4) so a row means what readers expect:
+
+| method | drafter (training loss) | builder | verify at temp > 0 | cost-aware stop |
+| --- | --- | --- | --- | --- |
+| ``ar`` | none | — | — | — |
+| ``prompt_lookup`` | n-gram lookup (Saxena 2023) | chain | match | no |
+| ``dflash`` | block drafter, ``dflash`` loss, no Markov head | chain | match | no |
+| ``dspark`` | block drafter + Markov + confidence, ``dspark`` loss | chain | rejection | yes (confidence) |
+| ``ddtree`` | the ``dflash`` drafter | marginal | match | no |
+| ``pctree`` | the ``dspark`` drafter | parent_conditioned | match | no |
+| ``treespark`` | drafter with edge head, ``treespark`` loss | treespark | rejection | yes (edge head) |
+
+Greedy decoding (temp 0) always verifies with the greedy rule. ``builder`` and ``verify``
+override a recipe's parts for ablations; the drafter is passed by the caller (``api.load``
+resolves ``--drafter PATH``).
 """
 
 from __future__ import annotations
 
-from treespark_jax.config import TreeConfig
+import dataclasses
+
+from treespark_jax.config import DrafterConfig, ModelConfig, TreeConfig
 from treespark_jax.decode.engine import Speculation
+from treespark_jax.drafter.block_proposer import BlockProposer
+from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafter.prompt_lookup import PromptLookup
+from treespark_jax.models.decoder import Decoder
 
-METHODS: tuple[str, ...] = ("ar", "prompt_lookup")
 DEFAULT_BUDGET = 8
+TREE_BRANCH = 4  # most children per node for the tree builders (ddtree, pctree, treespark)
+MARKOV_RANK = 32  # rank R of the Markov head of the dspark and treespark drafters
 
 
-def speculation(method: str, vocab_size: int, budget: int = DEFAULT_BUDGET) -> Speculation | None:
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One decoding method.
+
+    Attributes:
+      proposer: ``None`` (plain AR), ``"prompt_lookup"`` or ``"block"`` (a learned block drafter).
+      builder: tree builder (``config.BUILDERS``).
+      verify: acceptance rule at temp > 0 (``config.VERIFY_RULES``).
+      drafter_loss: the training loss of the recipe's drafter (``dflash``, ``dspark`` or
+        ``treespark``), which also fixes its heads (``drafter_config``).
+      stop: the round verifies only what the cost-aware stop picks (DESIGN.md §1.5).
+    """
+
+    proposer: str | None
+    builder: str = "chain"
+    verify: str = "match"
+    drafter_loss: str | None = None
+    stop: bool = False
+
+
+RECIPES: dict[str, Recipe] = {
+    "ar": Recipe(None),
+    "prompt_lookup": Recipe("prompt_lookup"),
+    "dflash": Recipe("block", "chain", "match", "dflash"),
+    "dspark": Recipe("block", "chain", "rejection", "dspark", stop=True),
+    "ddtree": Recipe("block", "marginal", "match", "dflash"),
+    "pctree": Recipe("block", "parent_conditioned", "match", "dspark"),
+    "treespark": Recipe("block", "treespark", "rejection", "treespark", stop=True),
+}
+METHODS: tuple[str, ...] = tuple(RECIPES)
+DRAFTER_METHODS: tuple[str, ...] = tuple(m for m, r in RECIPES.items() if r.proposer == "block")
+
+
+def recipe(method: str) -> Recipe:
+    """The recipe of ``method``.
+
+    Raises:
+      ValueError: for an unknown method (the message lists the known ones).
+    """
+    if method not in RECIPES:
+        raise ValueError(f"method {method!r} is unknown; choose one of {', '.join(METHODS)}.")
+    return RECIPES[method]
+
+
+def drafter_config(loss: str, target: ModelConfig, **fields) -> DrafterConfig:
+    """The drafter architecture trained with ``loss`` for ``target`` (heads follow the loss).
+
+    ``dflash``: backbone only; ``dspark``: Markov head (rank ``MARKOV_RANK``) and confidence
+    head; ``treespark``: Markov head and edge head. ``fields`` override any of them.
+
+    Raises:
+      ValueError: for an unknown loss name.
+    """
+    heads = {"dflash": dict(markov_rank=0),
+             "dspark": dict(markov_rank=MARKOV_RANK, confidence_head=True),
+             "treespark": dict(markov_rank=MARKOV_RANK, edge_head=True)}
+    if loss not in heads:
+        raise ValueError(f"drafter loss {loss!r} is unknown; choose one of {', '.join(heads)}.")
+    return DrafterConfig.for_target(target, **{**heads[loss], **fields})
+
+
+def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
+                drafter: BlockDrafter | None = None, builder: str | None = None,
+                verify: str | None = None) -> Speculation | None:
     """The speculative settings of ``method`` (``None`` for plain autoregressive decoding).
 
     Args:
       method: one of ``METHODS``.
-      vocab_size: V of the target.
-      budget: maximum drafted nodes per round N (≥ 1).
+      target: the target decoder (its embedding and LM head are shared with a block drafter).
+      budget: maximum drafted nodes per round N (≥ 1). A chain verifies ``min(N, γ)`` nodes.
+      drafter: the block drafter, required by the methods in ``DRAFTER_METHODS``.
+      builder: overrides the recipe's builder (``config.BUILDERS``).
+      verify: overrides the recipe's verify rule at temp > 0 (``config.VERIFY_RULES``).
 
     Raises:
-      ValueError: unknown method or a budget below 1.
+      ValueError: unknown method, builder or rule; a budget below 1; a drafter method without
+        a drafter; or overrides given for ``ar``.
     """
-    if method not in METHODS:
-        raise ValueError(f"method {method!r} is unknown; choose one of {', '.join(METHODS)}.")
+    r = recipe(method)
     if budget < 1:
         raise ValueError(f"budget={budget} must be at least 1 drafted node.")
-    if method == "ar":
+    if r.proposer is None:
+        if builder or verify or drafter is not None:
+            raise ValueError("method 'ar' drafts nothing; drop the drafter, builder and verify overrides.")
         return None
-    # Prompt lookup drafts one chain (Saxena 2023); the match rule keeps sampling exact.
-    return Speculation(PromptLookup(vocab_size, block_size=budget),
-                       TreeConfig(budget=budget, max_depth=budget, branch=1, builder="chain", verify="match"))
+    builder, verify = builder or r.builder, verify or r.verify
+    if r.proposer == "prompt_lookup":
+        # Prompt lookup drafts one chain whatever the builder: its proposal has a single candidate.
+        return Speculation(PromptLookup(target.cfg.vocab_size, block_size=budget),
+                           TreeConfig(budget=budget, max_depth=budget, branch=1, builder=builder, verify=verify))
+    if drafter is None:
+        raise ValueError(f"method {method!r} needs a trained block drafter; pass one with --drafter PATH "
+                         "(or drafter= in the API).")
+    gamma = drafter.cfg.block_size
+    chain = builder == "chain"
+    n = min(budget, gamma) if chain else budget
+    tree = TreeConfig(budget=n, max_depth=min(n, gamma), branch=1 if chain else TREE_BRANCH,
+                      builder=builder, verify=verify, stop=r.stop and n > 1)
+    return Speculation(BlockProposer.create(drafter, target), tree)

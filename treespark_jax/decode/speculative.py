@@ -37,7 +37,7 @@ class SpecConfig:
     Attributes:
       tree: tree shape and builder; ``tree.budget`` is the maximum budget N.
       greedy: temperature 0 (greedy acceptance, deterministic children).
-      cost: cost model for the cost-aware stop of the ``treespark`` builder.
+      cost: cost model for the cost-aware stop (``tree.stop``).
     """
 
     tree: TreeConfig
@@ -51,8 +51,8 @@ class SpecConfig:
 
     @property
     def ladder(self) -> tuple[int, ...]:
-        """Verify sizes the round chooses from: the ladder for ``treespark``, else just N."""
-        return self.tree.ladder if self.tree.builder == "treespark" else (self.tree.budget,)
+        """Verify sizes the round chooses from: the ladder with the cost-aware stop, else just N."""
+        return self.tree.ladder if self.tree.stop else (self.tree.budget,)
 
 
 @struct.dataclass
@@ -129,8 +129,11 @@ def spec_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecS
     rung = jnp.zeros((), jnp.int32)
     if len(ladder) > 1:
         survival = expected_accepted(tree) * active[:, None]
-        rung = choose_verify_size(survival, ladder, cfg.cost.verify_cost(ladder), cfg.cost.draft_ms,
-                                  non_anticipating=cfg.sampled_children)
+        # Attention is dense over the whole cache, so a round pays for the capacity (static),
+        # not the committed lengths: the costs are constants of this program.
+        context = gen.cache.capacity
+        rung = choose_verify_size(survival, ladder, cfg.cost.verify_cost(ladder, context),
+                                  cfg.cost.draft_cost(context), non_anticipating=cfg.sampled_children)
     branches = [functools.partial(_verify, model, proposer, cfg, n) for n in ladder]
     cache, acc, features = jax.lax.switch(rung, branches, tree, proposal, gen, requests, keys)
 

@@ -35,12 +35,12 @@ class DrafterWeights:
     Attributes:
       params: the drafter's trainable parameters (``nnx.State``).
       head: the target's frozen embedding and LM head.
-      edge_tokens: ``[2, V]`` per-token edge terms derived from both (``BlockDrafter.edge_tokens``).
+      token_terms: ``[3, V]`` per-token head terms derived from both (``BlockDrafter.token_terms``).
     """
 
     params: nnx.State
     head: TargetHead
-    edge_tokens: Float[Array, "2 V"]
+    token_terms: Float[Array, "3 V"]
 
 
 @struct.dataclass
@@ -81,7 +81,7 @@ class BlockProposer:
         graphdef, params = nnx.split(drafter)
         head = TargetHead.of(target, drafter.dtype)
         return cls(cfg=drafter.cfg, graphdef=graphdef,
-                   weights=DrafterWeights(params=params, head=head, edge_tokens=drafter.edge_tokens(head)))
+                   weights=DrafterWeights(params=params, head=head, token_terms=drafter.token_terms(head)))
 
     @property
     def block_size(self) -> int:
@@ -121,7 +121,7 @@ class BlockProposer:
     def propose(self, state: DrafterState, anchor: Int[Array, "B"], keys) -> Proposal:
         """One block forward from each row's anchor (deterministic: ``keys`` are not used)."""
         drafter = self.drafter(state.weights)
-        return drafter.proposal(drafter(anchor, state.context, state.weights.head), state.weights.edge_tokens)
+        return drafter.proposal(drafter(anchor, state.context, state.weights.head), state.weights.token_terms)
 
     def update(self, state: DrafterState, committed: Committed) -> DrafterState:
         """Appends the features of the ``committed.n`` committed rows (anchor first).

@@ -93,3 +93,13 @@ class ConfidenceHead(nnx.Module):
         """Logits of P(depth ``j + 1`` accepted | depth ``j`` accepted) per slot."""
         both = jnp.concatenate([hidden, prev_embed.astype(hidden.dtype)], axis=-1)
         return both @ self.w[...] + self.b[...]
+
+    def hidden_terms(self, hidden: Float[Array, "B P D"]) -> Float[Array, "B P"]:
+        """The Proposal's ``confidence_bias``: ``b + w_h · h_j``."""
+        d = hidden.shape[-1]
+        return hidden @ self.w[...][:d] + self.b[...]
+
+    def token_terms(self, embed: Float[Array, "V D"]) -> Float[Array, "V"]:
+        """The Proposal's ``confidence_parent``: ``w_t · E[t]`` for every token ``t``."""
+        d = embed.shape[-1]
+        return embed @ self.w[...][d:].astype(embed.dtype)

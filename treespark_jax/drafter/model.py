@@ -187,25 +187,29 @@ class BlockDrafter(nnx.Module):
         hidden = rms_norm(x, self.final_norm[...], t_cfg.rms_eps)
         return DrafterOutput(hidden=hidden, logits=head.logits(hidden))
 
-    def edge_tokens(self, head: TargetHead) -> Float[Array, "2 V"]:
-        """Per-token edge terms ``[w_t · E[t], w_x · E[t]]`` (zeros without an edge head).
+    def token_terms(self, head: TargetHead) -> Float[Array, "3 V"]:
+        """Per-token head terms ``[w_t · E[t], w_x · E[t], w_c · E[t]]`` (edge parent, edge child,
+        confidence parent; zeros for a head the drafter does not have).
 
         They depend only on the weights, so a generation computes them once, not per round.
         """
-        if self.edge is None:
-            return jnp.zeros((2, self.target_cfg.vocab_size), self.dtype)
-        return self.edge.token_terms(head.embed)
+        v = self.target_cfg.vocab_size
+        edge = self.edge.token_terms(head.embed) if self.edge is not None else jnp.zeros((2, v), self.dtype)
+        conf = (self.confidence.token_terms(head.embed) if self.confidence is not None
+                else jnp.zeros((v,), self.dtype))
+        return jnp.concatenate([edge, conf[None].astype(edge.dtype)], axis=0)
 
-    def proposal(self, out: DrafterOutput, edge_tokens: Float[Array, "2 V"]) -> Proposal:
+    def proposal(self, out: DrafterOutput, token_terms: Float[Array, "3 V"]) -> Proposal:
         """The round's Proposal: top-``M`` pool of each ``U_j`` plus the heads' factors.
 
         Args:
           out: the block forward.
-          edge_tokens: ``[2, V]`` from ``edge_tokens`` (same weights).
+          token_terms: ``[3, V]`` from ``token_terms`` (same weights).
 
         Returns:
           ``Proposal`` with ``pool_ids [B, P, M]`` (candidates by descending ``U_j``) and float
-          fields in the drafter's dtype; ``R = 0`` Markov factors without a Markov head.
+          fields in the drafter's dtype; ``R = 0`` Markov factors without a Markov head, and no
+          confidence fields without a confidence head.
         """
         b, p, v = out.logits.shape
         m = self.cfg.pool_size
@@ -216,9 +220,11 @@ class BlockDrafter(nnx.Module):
         else:
             markov = self.markov.proposal_terms(pool_ids)
         edge = (platt_identity_terms(b, p, m, v, self.dtype) if self.edge is None
-                else self.edge.proposal_terms(out.hidden, pool_ids, edge_tokens))
+                else self.edge.proposal_terms(out.hidden, pool_ids, token_terms[:2]))
+        confidence = {} if self.confidence is None else dict(
+            confidence_bias=self.confidence.hidden_terms(out.hidden), confidence_parent=token_terms[2])
         return Proposal(pool_ids=pool_ids, pool_logits=pool_logits, markov_parent=markov[0],
-                        markov_child=markov[1], hidden=out.hidden, **edge)
+                        markov_child=markov[1], hidden=out.hidden, **edge, **confidence)
 
     def confidence_logits(self, hidden: Float[Array, "B P D"], prev_token: Int[Array, "B P"],
                           head: TargetHead) -> Float[Array, "B P"]:

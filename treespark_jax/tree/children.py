@@ -4,8 +4,10 @@ Every best-first builder (DESIGN.md §1.2) is the same search with a different *
 ``s(x | u)``, the estimated probability that child ``x`` of node ``u`` is accepted given that
 ``u`` is; a node's score is the log of the product of survivals along its path:
 
-- ``chain`` and ``parent_conditioned``: ``s = q(x | x_u)``, the draft distribution (DFlash /
-  DSpark chain; PCTree-style parent-conditioned tree).
+- ``chain`` and ``parent_conditioned``: ``s = q(x | x_u)``, the draft distribution (DFlash
+  chain; PCTree-style parent-conditioned tree). A chain drafted by a drafter with a DSpark
+  confidence head takes ``s = c_j(x_u)`` instead, the head's estimate that the next draft is
+  accepted; its child is still the top (or sampled) child under ``q`` (DSpark).
 - ``marginal``: ``s = softmax(U_j)(x)``, the per-depth marginal, the same for every parent
   (DDTree, whose best-first search over these products is optimal for the top-``N`` prefixes).
 - ``treespark``: ``s = σ(edge logit)``, the calibrated edge head, renormalised so a node's
@@ -40,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from treespark_jax.sampling import processed_logprobs
-from treespark_jax.tree.proposal import Proposal, child_logits, edge_logits
+from treespark_jax.tree.proposal import Proposal, child_logits, confidence_logits, edge_logits
 from treespark_jax.typing import Array, Float, Int
 
 
@@ -121,6 +123,9 @@ def log_survival(proposal: Proposal, builder: str, depth: Int[Array, "B"], paren
     Raises:
       ValueError: for an unknown builder.
     """
+    if builder == "chain" and proposal.has_confidence:
+        conf = confidence_logits(proposal, depth[:, None], parent_token[:, None])  # [B, 1]
+        return jnp.where(jnp.isfinite(logq), jax.nn.log_sigmoid(conf), -jnp.inf)
     if builder in ("chain", "parent_conditioned"):
         return logq
     if builder == "marginal":
@@ -187,12 +192,15 @@ def offer_children(proposal: Proposal, builder: str, depth: Int[Array, "B"], par
       ``(pool_index [B, K] int32, priority [B, K] float)``: slot ``k``'s pool index (deterministic:
       ``k``-th best by ``s``; sampled: ``k``-th draw) and its priority, ``-inf`` for a slot that
       cannot hold a candidate. Priorities never exceed ``parent_score``; deterministic ones are
-      non-increasing in ``k``.
+      non-increasing in ``k``. Deterministic children are the top ``K`` by ``s`` (by ``q`` for a
+      chain).
     """
     logq = draft_logprobs(proposal, depth, parent_token, temp, top_p)
     log_s = log_survival(proposal, builder, depth, parent_token, logq, marginals)
     k = min(branch, logq.shape[-1])
-    best_s, best = jax.lax.top_k(log_s, k)
+    # A chain ranks its children by q even when its survival comes from a confidence head.
+    best = jax.lax.top_k(logq if builder == "chain" else log_s, k)[1]
+    best_s = jnp.take_along_axis(log_s, best, axis=1)
     if gumbel is None:
         return best, parent_score[:, None] + best_s
     drawn = jax.lax.top_k(logq + gumbel, k)[1]

@@ -35,6 +35,9 @@ class Proposal:
       edge_parent: ``[V]`` float, ``w_t · E[t]`` for every parent token ``t``.
       edge_child: ``[B, P, M]`` float, ``w_x · E[x]`` at the pool ids.
       hidden: ``[B, P, D]`` float drafter hidden states ``h_j`` (for logging and heads).
+      confidence_bias: ``[B, P]`` float ``b + w_h · h_j`` of the DSpark confidence head, or
+        ``None`` for a drafter without one.
+      confidence_parent: ``[V]`` float ``w_t · E[t]`` for every parent token ``t``, or ``None``.
     """
 
     pool_ids: Int[Array, "B P M"]
@@ -46,6 +49,8 @@ class Proposal:
     edge_parent: Float[Array, "V"]
     edge_child: Float[Array, "B P M"]
     hidden: Float[Array, "B P D"]
+    confidence_bias: Float[Array, "B P"] | None = None
+    confidence_parent: Float[Array, "V"] | None = None
 
     @property
     def block_size(self) -> int:
@@ -56,6 +61,11 @@ class Proposal:
     def pool_size(self) -> int:
         """M, candidates per depth."""
         return self.pool_ids.shape[2]
+
+    @property
+    def has_confidence(self) -> bool:
+        """The drafter has a DSpark confidence head (static: part of the pytree structure)."""
+        return self.confidence_parent is not None
 
 
 def child_logits(proposal: Proposal, depth: Int[Array, "B X"], parent_token: Int[Array, "B X"]
@@ -103,3 +113,19 @@ def edge_logits(proposal: Proposal, depth: Int[Array, "B X"], parent_token: Int[
     child = jnp.take_along_axis(proposal.edge_child, slot[..., None], axis=1)
     out = a * logq + bias + proposal.edge_parent[parent_token][..., None] + child
     return jnp.where(jnp.isfinite(logq), out, -jnp.inf)
+
+
+def confidence_logits(proposal: Proposal, depth: Int[Array, "B X"], parent_token: Int[Array, "B X"]
+                      ) -> Float[Array, "B X"]:
+    """DSpark confidence ``logit c_j = w · [h_j ; E[t]] + b`` for a depth-``depth`` child of ``t``.
+
+    ``c_j`` (``j = depth - 1``) is P(the depth-``depth`` draft is accepted | its parent, holding
+    ``t``, was); it does not depend on the child's own token.
+
+    Raises:
+      ValueError: when the proposal has no confidence head.
+    """
+    if not proposal.has_confidence:
+        raise ValueError("this proposal has no confidence head (drafter built with confidence_head=False).")
+    bias = jnp.take_along_axis(proposal.confidence_bias, depth - 1, axis=1)
+    return bias + proposal.confidence_parent[parent_token]
