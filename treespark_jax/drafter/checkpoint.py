@@ -1,0 +1,247 @@
+"""Drafter checkpoints bound to their target (DESIGN.md §1.1: layer ids stored, never guessed).
+
+A checkpoint is a directory::
+
+    <path>/drafter.json   format version, DrafterConfig, the target binding, the target's
+                          ModelConfig, the parameter dtype, and the trainer's ``training`` dict
+    <path>/params/        the drafter's ``nnx.state`` as a pure dict, written by Orbax
+
+A drafter is only meaningful next to the target whose features, embedding and LM head it was
+trained on, so the binding (family, vocabulary, width, layer count, weights sha256) is checked on
+load. Saving builds the directory under a hidden temporary sibling and moves it into place with
+``os.replace``, so ``<path>`` either holds a complete checkpoint or does not exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from treespark_jax.config import DrafterConfig, ModelConfig
+from treespark_jax.drafter.model import BlockDrafter
+from treespark_jax.models.presets import PRESETS
+
+if TYPE_CHECKING:
+    from treespark_jax.models.load import Target
+
+FORMAT_VERSION = 1
+_SHAPE_FIELDS = ("family", "vocab_size", "d_model", "n_layers")  # a mismatch can never load
+_CHUNK = 1 << 20  # bytes per read while hashing
+
+
+def _first_difference(a, b, fields: tuple[str, ...]) -> str | None:
+    return next((f for f in fields if getattr(a, f) != getattr(b, f)), None)
+
+
+def weights_sha256(path: Path) -> str:
+    """Lowercase hex sha256 of a target's weights.
+
+    For a file (GGUF), the sha256 of its bytes. For a Hugging Face directory, the sha256 of the
+    concatenated bytes of every ``*.safetensors`` file directly inside it, taken in sorted file-name
+    order (the names themselves are not hashed). Files are streamed in 1 MiB chunks.
+
+    Raises:
+      ValueError: a directory without ``*.safetensors`` files.
+    """
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise ValueError(f"directory {str(path)!r} has no *.safetensors files to hash.")
+    hasher = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetBinding:
+    """The target a drafter was trained for.
+
+    Attributes:
+      name: preset name, or the resolved path of the GGUF file / Hugging Face directory
+        (reported in messages, never compared: a moved file is the same target).
+      family, vocab_size, d_model, n_layers: the target's architecture (V, D, L).
+      weights_sha256: hex sha256 of the weights (see ``weights_sha256``).
+    """
+
+    name: str
+    family: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    weights_sha256: str
+
+    @classmethod
+    def of(cls, target: Target) -> TargetBinding:
+        """The binding of a loaded target; a preset uses its pinned sha256 (checked at fetch),
+        a path is hashed here (seconds per GB)."""
+        if target.name in PRESETS:
+            name, sha = target.name, PRESETS[target.name].asset.sha256
+        else:
+            name, sha = str(Path(target.path).resolve()), weights_sha256(Path(target.path))
+        return cls.for_config(target.cfg, name, sha)
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig, name: str, sha256: str) -> TargetBinding:
+        """A binding from an architecture and a given weights hash (tests, in-memory targets)."""
+        return cls(name, cfg.family, cfg.vocab_size, cfg.d_model, cfg.n_layers, sha256)
+
+    def describe(self) -> str:
+        return (f"{self.family}, vocab {self.vocab_size}, width {self.d_model}, {self.n_layers} layers, "
+                f"sha256 {self.weights_sha256[:12]}…")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterMeta:
+    """What ``drafter.json`` records besides the parameters.
+
+    Attributes:
+      cfg: the drafter architecture (``target_layer_ids`` included).
+      binding: the target it was trained for.
+      target_cfg: that target's full architecture (the drafter layers copy its shapes).
+      dtype: parameter dtype name at save time, e.g. ``"float32"``.
+      training: the trainer's dict (loss name, config, final losses), verbatim, or ``None``.
+    """
+
+    cfg: DrafterConfig
+    binding: TargetBinding
+    target_cfg: ModelConfig
+    dtype: str
+    training: dict | None
+
+
+def save_drafter(path: str | Path, drafter: BlockDrafter, binding: TargetBinding, *,
+                 training: dict | None = None, overwrite: bool = False) -> Path:
+    """Writes ``drafter`` and its metadata to the directory ``path``, atomically.
+
+    Args:
+      path: checkpoint directory to create (its parent is created if needed).
+      drafter: the drafter; its parameters are saved in their own dtype.
+      binding: the target it was trained for; must agree with ``drafter.target_cfg``.
+      training: any JSON-serialisable dict, stored verbatim (loss name, config, final losses).
+      overwrite: replace an existing ``path`` (the old one is removed only after the new one is
+        in place; a crash between the two moves can leave neither, plus a hidden ``.old``).
+
+    Returns:
+      The absolute checkpoint path.
+
+    Raises:
+      ValueError: ``path`` exists and ``overwrite`` is False, ``binding`` contradicts the
+        drafter's target config, or ``training`` is not JSON-serialisable.
+    """
+    path = Path(path).absolute()
+    if path.exists() and not overwrite:
+        raise ValueError(f"{path} already exists; pass overwrite=True to replace it.")
+    if field := _first_difference(binding, drafter.target_cfg, _SHAPE_FIELDS):
+        raise ValueError(f"binding {field}={getattr(binding, field)} contradicts the drafter's target "
+                         f"config ({getattr(drafter.target_cfg, field)}).")
+    meta = {"format_version": FORMAT_VERSION, "drafter": dataclasses.asdict(drafter.cfg),
+            "target": dataclasses.asdict(binding), "target_config": dataclasses.asdict(drafter.target_cfg),
+            "dtype": jnp.dtype(drafter.dtype).name, "training": training}
+    try:
+        text = json.dumps(meta, indent=2)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the training dict is not JSON-serialisable ({e}).") from e
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stem = path.parent / f".{path.name}.{secrets.token_hex(4)}"  # hidden siblings, same file system
+    tmp, old = stem.with_name(stem.name + ".partial"), stem.with_name(stem.name + ".old")
+    try:
+        tmp.mkdir()
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp / "params", nnx.to_pure_dict(nnx.state(drafter)))
+            ckptr.wait_until_finished()
+        (tmp / "drafter.json").write_text(text)  # last: a directory without it is incomplete
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+    return path
+
+
+def read_meta(path: str | Path) -> DrafterMeta:
+    """Reads ``drafter.json`` of the checkpoint at ``path``.
+
+    Raises:
+      ValueError: no such directory, no ``drafter.json``, unreadable JSON, an unknown format
+        version, or fields that do not make a valid config (each naming ``path``).
+    """
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise ValueError(f"drafter checkpoint {path} does not exist or is not a directory.")
+    try:
+        meta = json.loads((path / "drafter.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"drafter checkpoint {path} has no drafter.json (incomplete or not a drafter)."
+                         ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"drafter checkpoint {path} has a corrupt drafter.json ({e}).") from e
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise ValueError(f"drafter checkpoint {path} has format version {version!r}; this version reads "
+                         f"{FORMAT_VERSION}.")
+    try:
+        return DrafterMeta(cfg=DrafterConfig(**meta["drafter"]), binding=TargetBinding(**meta["target"]),
+                           target_cfg=ModelConfig(**meta["target_config"]),
+                           dtype=jnp.dtype(meta["dtype"]).name,
+                           training=meta.get("training"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"drafter checkpoint {path} has an invalid drafter.json "
+                         f"({type(e).__name__}: {e}).") from e
+
+
+def _check_binding(saved: TargetBinding, given: TargetBinding, path: Path, strict: bool) -> None:
+    fields = _SHAPE_FIELDS + (("weights_sha256",) if strict else ())
+    if field := _first_difference(saved, given, fields):
+        hint = "; pass strict=False to load it anyway" if field == "weights_sha256" else ""
+        raise ValueError(f"drafter {path} was trained for target {saved.name!r} ({saved.describe()}) but the "
+                         f"given target {given.name!r} ({given.describe()}) differs in {field} "
+                         f"({getattr(saved, field)} vs {getattr(given, field)}){hint}.")
+
+
+def load_drafter(path: str | Path, target: Target | TargetBinding, *, dtype=None, strict: bool = True
+                 ) -> tuple[BlockDrafter, DrafterMeta]:
+    """Loads a drafter saved by ``save_drafter`` after checking it was trained for ``target``.
+
+    Args:
+      path: checkpoint directory.
+      target: the loaded target (its binding is computed with ``TargetBinding.of``) or a binding.
+      dtype: parameter dtype to restore into (Orbax casts); ``None`` keeps the saved dtype.
+      strict: also require the same weights sha256. Family, vocabulary, width and layer count must
+        always agree; ``strict=False`` accepts other weights of the same architecture (another
+        fine-tune or quantisation), where the drafter runs but may accept fewer drafts.
+
+    Returns:
+      ``(drafter, meta)``; the drafter is built from the stored configs (layer ids from the file).
+
+    Raises:
+      ValueError: any ``read_meta`` error, a binding mismatch (naming the field and both values),
+        or missing, truncated or mis-shaped parameters.
+    """
+    path = Path(path).absolute()
+    meta = read_meta(path)
+    given = target if isinstance(target, TargetBinding) else TargetBinding.of(target)
+    _check_binding(meta.binding, given, path, strict)
+    dtype = getattr(jnp, meta.dtype) if dtype is None else dtype  # jnp.float32, as elsewhere
+    abstract = nnx.eval_shape(lambda: BlockDrafter(meta.cfg, meta.target_cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    try:  # Orbax and TensorStore raise many exception types for a damaged directory
+        with ocp.StandardCheckpointer() as ckptr:
+            restored = ckptr.restore(path / "params", nnx.to_pure_dict(state))
+    except Exception as e:  # noqa: BLE001
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ValueError(f"drafter checkpoint {path} has missing or corrupt parameters ({reason}).") from e
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state), meta
