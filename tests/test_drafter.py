@@ -142,6 +142,27 @@ def test_context_cache_equals_recomputing_over_the_full_context(target32):
     check()
 
 
+def test_packed_training_forward_equals_the_inference_block_of_every_anchor(target32):
+    """Training packs several anchors per sequence: each block must be exactly the inference
+    block of its anchor (context = features before the anchor; blocks never see each other)."""
+    drafter = make_drafter(target32)
+    head = BlockProposer.create(drafter, target32).weights.head
+    tokens = np.asarray([[5, 9, 2, 7, 3, 8, 1, 4, 6, 2], [3, 3, 1, 0, 2, 5, 7, 9, 4, 1]])
+    feats = target_features(target32, tokens, LAYER_IDS)
+    anchors = np.asarray([[0, 3, 6, -1], [2, 5, 9, 1]])
+    out = nnx.jit(lambda d, t, f, a, h: d.packed(t, f, a, h))(drafter, jnp.asarray(tokens), feats,
+                                                              jnp.asarray(anchors), head)
+    assert out.logits.shape == (2, 4, drafter.cfg.block_size, target32.cfg.vocab_size)
+    for b in range(2):
+        for a in range(4):
+            pos = anchors[b, a]
+            if pos < 0:
+                continue
+            want = cache_free_forward(drafter, jnp.asarray(tokens[b:b + 1, pos]), feats[b:b + 1],
+                                      jnp.asarray([pos]), head)
+            np.testing.assert_allclose(out.logits[b, a], want[0], rtol=1e-4, atol=1e-4)
+
+
 def test_slot_zero_holds_the_anchor_and_the_rest_hold_mask(target32):
     drafter = make_drafter(target32)
     head = BlockProposer.create(drafter, target32).weights.head

@@ -24,7 +24,7 @@ from treespark_jax.models.layer_parts import finish_layer, key_value_heads, quer
 from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import expected_shapes
 from treespark_jax.tree.proposal import Proposal
-from treespark_jax.typing import Array, Float, Int
+from treespark_jax.typing import Array, Bool, Float, Int
 
 
 @struct.dataclass
@@ -135,19 +135,31 @@ class BlockDrafter(nnx.Module):
         Returns:
           The cache with ``lengths + n``.
         """
-        t_cfg = self.target_cfg
         b, t, _ = features.shape
-        ctx = rms_norm(features.astype(self.dtype) @ self.fc[...], self.context_norm[...], t_cfg.rms_eps)
         offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions = context.lengths[:, None] + offsets
         slots = jnp.where(offsets < n[:, None], positions, context.capacity)  # out of range: dropped
         rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
         k_all, v_all = context.k, context.v
-        for li, layer in enumerate(self.layers):
-            k, v = key_value_heads(layer.arrays(t_cfg), t_cfg, ctx, positions)
+        for li, (k, v) in enumerate(self.context_keys_values(features, positions)):
             k_all = k_all.at[li, rows, slots].set(k, mode="drop")
             v_all = v_all.at[li, rows, slots].set(v, mode="drop")
         return context.replace(k=k_all, v=v_all, lengths=context.lengths + n.astype(jnp.int32))
+
+    def context_keys_values(self, features: Float[Array, "B T X"], positions: Int[Array, "B T"]
+                            ) -> list[tuple[Float[Array, "B T K E"], Float[Array, "B T K E"]]]:
+        """Every drafter layer's keys (RoPE at ``positions``) and values of ``RMSNorm(features @ fc)``.
+
+        Args:
+          features: ``[B, T, m·D]`` target features, concatenated in ``cfg.target_layer_ids`` order.
+          positions: ``[B, T]`` int32 absolute positions of the tokens the features belong to.
+
+        Returns:
+          One ``(k, v)`` pair per drafter layer, each ``[B, T, K, E]``.
+        """
+        t_cfg = self.target_cfg
+        ctx = rms_norm(features.astype(self.dtype) @ self.fc[...], self.context_norm[...], t_cfg.rms_eps)
+        return [key_value_heads(layer.arrays(t_cfg), t_cfg, ctx, positions) for layer in self.layers]
 
     def block_inputs(self, anchor: Int[Array, "B"], head: TargetHead) -> Float[Array, "B P D"]:
         """Slot 0 = the anchor's (target) embedding, slots ``1..P−1`` = the MASK embedding."""
@@ -170,21 +182,74 @@ class BlockDrafter(nnx.Module):
         Returns:
           ``DrafterOutput`` with ``h_j [B, P, D]`` and ``U_j [B, P, V]``.
         """
-        t_cfg, p = self.target_cfg, self.cfg.block_size
+        p = self.cfg.block_size
         x = self.block_inputs(anchor, head)
         b = x.shape[0]
         positions = context.lengths[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :]
         committed = jnp.arange(context.capacity)[None, None, :] < context.lengths[:, None, None]
         mask = jnp.concatenate([jnp.broadcast_to(committed, (b, p, context.capacity)),
                                 jnp.ones((b, p, p), bool)], axis=2)
-        for li, layer in enumerate(self.layers):
+        hidden = self.blocks(x, positions, list(zip(context.k, context.v)), mask)
+        return DrafterOutput(hidden=hidden, logits=head.logits(hidden))
+
+    def blocks(self, x: Float[Array, "B Q D"], positions: Int[Array, "B Q"],
+               context_kv: list[tuple[Float[Array, "B S K E"], Float[Array, "B S K E"]]],
+               mask: Bool[Array, "B Q S+Q"]) -> Float[Array, "B Q D"]:
+        """The drafter layers over ``Q`` block rows: the one forward shared by inference and training.
+
+        Args:
+          x: ``[B, Q, D]`` block inputs (anchor embedding or MASK per row).
+          positions: ``[B, Q]`` int32 absolute positions of the rows (RoPE).
+          context_kv: per drafter layer, context keys and values ``[B, S, K, E]``.
+          mask: ``[B, Q, S + Q]`` bool, what each row may attend to: context slots, then the
+            block rows themselves.
+
+        Returns:
+          ``[B, Q, D]`` final-norm hidden states.
+        """
+        t_cfg = self.target_cfg
+        for layer, (ctx_k, ctx_v) in zip(self.layers, context_kv):
             w = layer.arrays(t_cfg)
             h = rms_norm(x, w["attn_norm"], t_cfg.rms_eps)
             k, v = key_value_heads(w, t_cfg, h, positions)
-            keys = jnp.concatenate([context.k[li], k], axis=1)
-            values = jnp.concatenate([context.v[li], v], axis=1)
+            keys = jnp.concatenate([ctx_k, k], axis=1)
+            values = jnp.concatenate([ctx_v, v], axis=1)
             x = finish_layer(w, t_cfg, x, attention(query_heads(w, t_cfg, h, positions), keys, values, mask))
-        hidden = rms_norm(x, self.final_norm[...], t_cfg.rms_eps)
+        return rms_norm(x, self.final_norm[...], t_cfg.rms_eps)
+
+    def packed(self, tokens: Int[Array, "B T"], features: Float[Array, "B T X"], anchors: Int[Array, "B A"],
+               head: TargetHead) -> DrafterOutput:
+        """Training forward: ``A`` blocks per sequence in one pass, blocks never seeing each other.
+
+        Block ``a`` of row ``b`` is exactly what inference computes for the anchor at position
+        ``anchors[b, a]``: slot 0 holds ``tokens[b, anchors[b, a]]``, slots ``1..P−1`` the MASK,
+        slot ``j`` sits at position ``anchors[b, a] + j``, and it attends to the projected
+        features of positions ``< anchors[b, a]`` and to its own block (bidirectionally).
+
+        Args:
+          tokens: ``[B, T]`` int32 sequences.
+          features: ``[B, T, m·D]`` target features of every position.
+          anchors: ``[B, A]`` int32 anchor positions; ``-1`` marks an unused block (it attends to
+            its own rows only and its outputs must be masked out of any loss).
+          head: the target's embedding and LM head.
+
+        Returns:
+          ``DrafterOutput`` with ``hidden [B, A, P, D]`` and ``logits [B, A, P, V]``.
+        """
+        b, t = tokens.shape
+        a, p = anchors.shape[1], self.cfg.block_size
+        anchor_tok = jnp.take_along_axis(tokens, jnp.maximum(anchors, 0), axis=1)  # [B, A]
+        x = jax.vmap(lambda tok: self.block_inputs(tok, head), in_axes=1, out_axes=1)(anchor_tok)  # [B,A,P,D]
+        x = x.reshape(b, a * p, -1)
+        positions = (jnp.maximum(anchors, 0)[:, :, None] + jnp.arange(p, dtype=jnp.int32)).reshape(b, a * p)
+        pos_t = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        row_anchor = jnp.repeat(anchors, p, axis=1)  # [B, A·P]
+        sees_context = pos_t[:, None, :] < row_anchor[:, :, None]
+        block_id = jnp.repeat(jnp.arange(a), p)
+        same_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, a * p, a * p))
+        mask = jnp.concatenate([sees_context, same_block], axis=2)
+        hidden = self.blocks(x, positions, self.context_keys_values(features, pos_t), mask)
+        hidden = hidden.reshape(b, a, p, -1)
         return DrafterOutput(hidden=hidden, logits=head.logits(hidden))
 
     def token_terms(self, head: TargetHead) -> Float[Array, "3 V"]:
