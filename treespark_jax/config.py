@@ -187,5 +187,6 @@ class DrafterConfig:
     @classmethod
     def for_target(cls, target: ModelConfig, m: int = 5, **fields) -> "DrafterConfig":
         """A config reading ``default_layer_ids(target.n_layers, m)`` unless ids are given."""
-        fields.setdefault("target_layer_ids", default_layer_ids(target.n_layers, m))
+        if "target_layer_ids" not in fields:
+            fields["target_layer_ids"] = default_layer_ids(target.n_layers, m)
         return cls(**fields)

@@ -24,6 +24,7 @@ from treespark_jax.decode.ar import ar_loop
 from treespark_jax.decode.prefill import prefill
 from treespark_jax.decode.speculative import SpecConfig, SpecState, SpecStats, spec_loop
 from treespark_jax.decode.state import GenState, Requests
+from treespark_jax.decode.tree_log import TreeLog, row_trees
 from treespark_jax.drafter.proposer import Proposer
 from treespark_jax.models.decoder import Decoder
 
@@ -51,8 +52,11 @@ def _spec_prefill_program(graphdef, weights, tokens, prompt_lens, active, reques
     gen, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
                        out_size=out_size, greedy=cfg.greedy, layer_ids=proposer.layer_ids)
     pstate = proposer.init(proposer_weights, tokens, prompt_lens, gen.anchor, out.features, capacity)
-    stats = SpecStats.zeros(tokens.shape[0], cfg.tree.max_depth, len(cfg.ladder))
-    return SpecState(gen=gen, proposer=pstate, stats=stats)
+    b = tokens.shape[0]
+    stats = SpecStats.zeros(b, cfg.tree.max_depth, len(cfg.ladder))
+    log = (TreeLog.zeros(b, out_size, cfg.tree.budget, model.cfg.d_model, model.dtype)
+           if cfg.log_trees else None)  # a round emits at least one token: ≤ out_size rounds
+    return SpecState(gen=gen, proposer=pstate, stats=stats, log=log)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg"), donate_argnames=("state",))
@@ -173,7 +177,8 @@ class Engine:
             stop_ids=self.stop_ids)
 
     def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float,
-              top_p: float, seed: int | Sequence[int], spec: Speculation | None = None):
+              top_p: float, seed: int | Sequence[int], spec: Speculation | None = None,
+              log_trees: bool = False):
         """Validates, pads to buckets and prefills. Returns the loop state and the requests."""
         lens = [len(p) for p in prompts]
         check_request(lens, max_new_tokens, temp, top_p, self.context)
@@ -195,22 +200,23 @@ class Engine:
             state = _prefill_program(*args, capacity=capacity, out_size=out_size, greedy=temp == 0)
         else:
             state = _spec_prefill_program(*args, spec.proposer.weights, proposer=spec.proposer,
-                                          cfg=self.spec_config(spec, temp),
+                                          cfg=self.spec_config(spec, temp, log_trees),
                                           capacity=capacity, out_size=out_size)
         return state, requests
 
     @staticmethod
-    def spec_config(spec: Speculation, temp: float) -> SpecConfig:
+    def spec_config(spec: Speculation, temp: float, log_trees: bool = False) -> SpecConfig:
         """The static round configuration for ``spec`` at temperature ``temp``."""
-        return SpecConfig(tree=spec.tree, greedy=temp == 0)
+        return SpecConfig(tree=spec.tree, greedy=temp == 0, log_trees=log_trees)
 
-    def run(self, state, requests, stop_after: int, temp: float, spec: Speculation | None):
+    def run(self, state, requests, stop_after: int, temp: float, spec: Speculation | None,
+            log_trees: bool = False):
         """Advances the on-device loop until every row is done or ``stop_after`` steps/rounds."""
         stop = jnp.asarray(stop_after, jnp.int32)
         if spec is None:
             return _ar_program(self.graphdef, self.weights, state, requests, stop, greedy=temp == 0)
         return _spec_program(self.graphdef, self.weights, state, requests, stop,
-                             proposer=spec.proposer, cfg=self.spec_config(spec, temp))
+                             proposer=spec.proposer, cfg=self.spec_config(spec, temp, log_trees))
 
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, temp: float = 0.0,
                spec: Speculation | None = None) -> int:
@@ -247,13 +253,29 @@ class Engine:
         Raises:
           ValueError: invalid request (see ``check_request``) or tree settings.
         """
+        ids, stats, _ = self._generate(prompts, max_new_tokens, temp, top_p, seed, spec, log_trees=False)
+        return ids, stats
+
+    def generate_logged(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, spec: Speculation,
+                        temp: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0
+                        ) -> tuple[list[list[int]], GenerationStats, list[dict[str, np.ndarray]]]:
+        """Speculative ``generate`` that also returns every verified tree (on-policy rollouts).
+
+        Returns:
+          ``(token_ids, stats, trees)``; ``trees[i]`` holds prompt ``i``'s rounds as numpy arrays
+          with a leading round axis ``R_i`` (see ``tree_log.TreeLog``): ``anchor_pos [R_i]``,
+          ``tokens / parents / depths / verified / accepted [R_i, N]``, ``hidden [R_i, N + 1, D]``.
+        """
+        return self._generate(prompts, max_new_tokens, temp, top_p, seed, spec, log_trees=True)
+
+    def _generate(self, prompts, max_new_tokens, temp, top_p, seed, spec, log_trees):
         compiles = compiled_programs()
         t0 = time.perf_counter()
-        state, requests = self.start(prompts, max_new_tokens, temp, top_p, seed, spec)
+        state, requests = self.start(prompts, max_new_tokens, temp, top_p, seed, spec, log_trees)
         # A zero-step run compiles the loop program, so decode time excludes compilation.
-        state = jax.block_until_ready(self.run(state, requests, 0, temp, spec))
+        state = jax.block_until_ready(self.run(state, requests, 0, temp, spec, log_trees))
         t1 = time.perf_counter()
-        state = self.run(state, requests, max_new_tokens, temp, spec)
+        state = self.run(state, requests, max_new_tokens, temp, spec, log_trees)
         gen = state if spec is None else state.gen
         out, n_out, steps = jax.device_get((gen.out, gen.n_out, gen.steps))
         t2 = time.perf_counter()
@@ -263,7 +285,9 @@ class Engine:
                                 decode_s=t2 - t1, compiles=compiled_programs() - compiles)
         if spec is not None:
             _add_spec_stats(stats, jax.device_get(state.stats), len(prompts))
-        return ids, stats
+        log = jax.device_get(state.log) if log_trees else None
+        trees = [row_trees(log, i) for i in range(len(prompts))] if log_trees else []
+        return ids, stats, trees
 
     def stream(self, prompt: Sequence[int], max_new_tokens: int, temp: float = 0.0,
                top_p: float = 1.0, seed: int = 0, spec: Speculation | None = None

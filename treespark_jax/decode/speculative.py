@@ -19,6 +19,7 @@ from treespark_jax.config import TreeConfig
 from treespark_jax.decode.commit import commit_path
 from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
 from treespark_jax.decode.state import GenState, Requests, append_tokens
+from treespark_jax.decode.tree_log import TreeLog
 from treespark_jax.drafter.proposer import Committed, Proposer
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.tree.accept import Acceptance, accept
@@ -38,11 +39,13 @@ class SpecConfig:
       tree: tree shape and builder; ``tree.budget`` is the maximum budget N.
       greedy: temperature 0 (greedy acceptance, deterministic children).
       cost: cost model for the cost-aware stop (``tree.stop``).
+      log_trees: keep every round's verified tree in the state (on-policy rollouts).
     """
 
     tree: TreeConfig
     greedy: bool
     cost: CostModel = DEFAULT_CPU_COST
+    log_trees: bool = False
 
     @property
     def sampled_children(self) -> bool:
@@ -83,11 +86,13 @@ class SpecStats:
 
 @struct.dataclass
 class SpecState:
-    """Loop carry: generation state, the proposer's state and the statistics."""
+    """Loop carry: generation state, the proposer's state, the statistics and the tree log
+    (``None`` unless ``SpecConfig.log_trees``)."""
 
     gen: GenState
     proposer: Any
     stats: SpecStats
+    log: TreeLog | None = None
 
 
 def _verify(model: Decoder, proposer: Proposer, cfg: SpecConfig, n: int, tree: DraftTree,
@@ -103,11 +108,12 @@ def _verify(model: Decoder, proposer: Proposer, cfg: SpecConfig, n: int, tree: D
                  temp=requests.temp, top_p=requests.top_p, proposal=proposal, anchor=gen.anchor,
                  branch=tcfg.branch)
     acc = acc.replace(accepted=jnp.pad(acc.accepted, ((0, 0), (0, tcfg.budget - n))))
+    hidden = jnp.pad(out.hidden, ((0, 0), (0, tcfg.budget - n), (0, 0))) if cfg.log_trees else None
     features = None
     if proposer.layer_ids:
         rows = jnp.concatenate([jnp.zeros_like(acc.path[:, :1]), acc.path + 1], axis=1)  # -1 → anchor row
         features = jnp.take_along_axis(out.features, rows[:, :, None], axis=1)
-    return out.cache, acc, features
+    return out.cache, acc, features, hidden
 
 
 def spec_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecState,
@@ -135,7 +141,10 @@ def spec_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecS
         rung = choose_verify_size(survival, ladder, cfg.cost.verify_cost(ladder, context),
                                   cfg.cost.draft_cost(context), non_anticipating=cfg.sampled_children)
     branches = [functools.partial(_verify, model, proposer, cfg, n) for n in ladder]
-    cache, acc, features = jax.lax.switch(rung, branches, tree, proposal, gen, requests, keys)
+    cache, acc, features, hidden = jax.lax.switch(rung, branches, tree, proposal, gen, requests, keys)
+    log = state.log
+    if cfg.log_trees:
+        log = log.record(active, gen.cache.lengths, tree, jnp.asarray(ladder)[rung], acc, hidden)
 
     d = tcfg.max_depth
     j = jnp.arange(d + 1)[None, :]
@@ -148,7 +157,7 @@ def spec_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecS
     committed = Committed(tokens=jnp.concatenate([gen.anchor[:, None], jnp.maximum(acc.path_tokens, 0)], 1),
                           n=jnp.where(active, acc.n_accepted + 1, 0), bonus=acc.bonus, features=features)
     return SpecState(gen=new_gen, proposer=proposer.update(state.proposer, committed),
-                     stats=_count(state.stats, acc, active, rung, d))
+                     stats=_count(state.stats, acc, active, rung, d), log=log)
 
 
 def _count(stats: SpecStats, acc: Acceptance, active, rung, max_depth: int) -> SpecStats:
