@@ -120,12 +120,12 @@ def test_on_policy_tree_log_matches_the_committed_sequence(target64):
         for r in range(len(log["anchor_pos"])):
             assert log["anchor_pos"][r] == pos
             acc = np.flatnonzero(log["accepted"][r])
-            assert log["verified"][r][acc].all()
+            assert log["valid"][r][acc].all()
             np.testing.assert_array_equal(log["depths"][r][acc], np.arange(1, len(acc) + 1))
             np.testing.assert_array_equal(log["tokens"][r][acc], seq[pos + 1: pos + 1 + len(acc)])
-            np.testing.assert_allclose(log["hidden"][r][0], hidden[pos], rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose(log["node_hidden"][r][0], hidden[pos], rtol=1e-9, atol=1e-9)
             for k, node in enumerate(acc):
-                np.testing.assert_allclose(log["hidden"][r][node + 1], hidden[pos + 1 + k], rtol=1e-9, atol=1e-9)
+                np.testing.assert_allclose(log["node_hidden"][r][node + 1], hidden[pos + 1 + k], rtol=1e-9, atol=1e-9)
             pos += len(acc) + 1
         assert pos >= len(seq) - 1
     assert stats.tau >= 1.0

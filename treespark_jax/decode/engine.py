@@ -264,7 +264,8 @@ class Engine:
         Returns:
           ``(token_ids, stats, trees)``; ``trees[i]`` holds prompt ``i``'s rounds as numpy arrays
           with a leading round axis ``R_i`` (see ``tree_log.TreeLog``): ``anchor_pos [R_i]``,
-          ``tokens / parents / depths / verified / accepted [R_i, N]``, ``hidden [R_i, N + 1, D]``.
+          ``tokens / parents / depths / sibling_rank / valid / accepted [R_i, N]`` and
+          ``node_hidden [R_i, N + 1, D]``.
         """
         return self._generate(prompts, max_new_tokens, temp, top_p, seed, spec, log_trees=True)
 

@@ -27,10 +27,12 @@ class TreeLog:
       tokens: ``[B, R, N]`` int32 node tokens.
       parents: ``[B, R, N]`` int32 parent node index, ``-1`` = the anchor.
       depths: ``[B, R, N]`` int32 node depths (anchor = 0).
-      verified: ``[B, R, N]`` bool node is a real node inside the verified ladder rung.
+      sibling_rank: ``[B, R, N]`` int32 draw order among siblings (the rejection rule's order).
+      valid: ``[B, R, N]`` bool node is a real node inside the verified ladder rung (nodes the
+        cost-aware stop left out are not part of the verified tree).
       accepted: ``[B, R, N]`` bool node was accepted.
-      hidden: ``[B, R, N + 1, D]`` final-norm target hidden state of each verify row (row 0 =
-        the anchor, row ``i + 1`` = node ``i``; rows of unverified nodes are zero).
+      node_hidden: ``[B, R, N + 1, D]`` final-norm target hidden state of each verify row (row 0
+        = the anchor, row ``i + 1`` = node ``i``; rows of nodes that are not valid are zero).
       rounds: ``[B]`` int32 rounds logged per row.
     """
 
@@ -38,9 +40,10 @@ class TreeLog:
     tokens: Int[Array, "B R N"]
     parents: Int[Array, "B R N"]
     depths: Int[Array, "B R N"]
-    verified: Bool[Array, "B R N"]
+    sibling_rank: Int[Array, "B R N"]
+    valid: Bool[Array, "B R N"]
     accepted: Bool[Array, "B R N"]
-    hidden: Float[Array, "B R N+1 D"]
+    node_hidden: Float[Array, "B R N+1 D"]
     rounds: Int[Array, "B"]
 
     @classmethod
@@ -51,8 +54,9 @@ class TreeLog:
 
         return cls(anchor_pos=z(batch, rounds), tokens=z(batch, rounds, budget),
                    parents=z(batch, rounds, budget), depths=z(batch, rounds, budget),
-                   verified=z(batch, rounds, budget, dt=bool), accepted=z(batch, rounds, budget, dt=bool),
-                   hidden=z(batch, rounds, budget + 1, width, dt=dtype), rounds=z(batch))
+                   sibling_rank=z(batch, rounds, budget), valid=z(batch, rounds, budget, dt=bool),
+                   accepted=z(batch, rounds, budget, dt=bool),
+                   node_hidden=z(batch, rounds, budget + 1, width, dt=dtype), rounds=z(batch))
 
     def record(self, active: Bool[Array, "B"], anchor_pos: Int[Array, "B"], tree: DraftTree,
                verified_nodes: Int[Array, ""], acc: Acceptance, hidden: Float[Array, "B N+1 D"]) -> "TreeLog":
@@ -76,8 +80,9 @@ class TreeLog:
 
         return TreeLog(anchor_pos=put(self.anchor_pos, anchor_pos), tokens=put(self.tokens, tree.tokens),
                        parents=put(self.parents, tree.parents), depths=put(self.depths, tree.depths),
-                       verified=put(self.verified, verified), accepted=put(self.accepted, acc.accepted & verified),
-                       hidden=put(self.hidden, hidden * verified_rows(verified)[..., None]),
+                       sibling_rank=put(self.sibling_rank, tree.sibling_rank), valid=put(self.valid, verified),
+                       accepted=put(self.accepted, acc.accepted & verified),
+                       node_hidden=put(self.node_hidden, hidden * verified_rows(verified)[..., None]),
                        rounds=self.rounds + active.astype(jnp.int32))
 
 
@@ -90,5 +95,5 @@ def row_trees(log: TreeLog, row: int) -> dict[str, np.ndarray]:
     """Host-side (``log`` already fetched with ``jax.device_get``): the logged rounds of batch row
     ``row`` as numpy arrays with a leading ``[R_b]``."""
     r = int(log.rounds[row])
-    fields = ("anchor_pos", "tokens", "parents", "depths", "verified", "accepted", "hidden")
+    fields = ("anchor_pos", "tokens", "parents", "depths", "sibling_rank", "valid", "accepted", "node_hidden")
     return {f: np.asarray(getattr(log, f)[row, :r]) for f in fields}

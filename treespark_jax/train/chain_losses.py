@@ -1,0 +1,265 @@
+"""Gold-chain losses of the block drafter: alignment, ``dflash``, ``dspark`` and offline τ (DESIGN.md §1.4).
+
+Every loss is a pure function of arrays and returns ``(total, terms)``: ``total`` is the
+weighted sum of the terms, ``terms`` maps each term's name to its *unweighted* value, so runs
+with different weights log comparable numbers. Means are weighted and normalised by the sum
+of their weights (0 when every weight is 0). Targets never carry gradient: the target's logits
+are frozen (and the LM head is shared with the drafter), and the confidence target is a
+stop-gradient.
+
+Choices the design leaves open:
+
+- **Full vocabulary, not the pool.** Training distributions are ``softmax`` over all ``V``
+  tokens, while inference restricts ``q`` to the top-``M`` pool of ``U_j`` and renormalises.
+  The pool distribution is the full one conditioned on the pool, so
+  ``‖q_pool − q_full‖₁ = 2·(1 − Z)`` with ``Z`` the full ``q``'s mass on the pool: both agree as
+  soon as the tail is small, which is what training drives (the target's tokens get mass and
+  therefore enter the pool). Training on the pool would give a target token outside it no
+  gradient to get in, and its CE would be infinite.
+- **Temperature 1 on the chain.** ``p_t = softmax(target logits)``: a drafter with
+  ``q = p_t`` also matches at every temperature (both are scaled by ``1/temp`` identically) and
+  ranks like the target at temperature 0, so one drafter serves all temperatures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from treespark_jax.typing import Array, Bool, Float, Int
+
+
+def default_decay(block_size: int) -> float:
+    """DFlash's position decay ``γ_w`` for block size ``γ``: 4 at 8, 5 at 10, 7 at 16.
+
+    ``floor(4 + 3(γ − 8)/8 + ½)``, at least 1 (the line through DFlash's published values).
+    """
+    return float(max(1, math.floor(4 + 3 * (block_size - 8) / 8 + 0.5)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Weights and shape parameters of the drafter losses (defaults from DESIGN.md §1.4).
+
+    Attributes:
+      dflash_decay: ``γ_w`` of the ``dflash`` slot weights ``exp(−j/γ_w)``; ``None`` =
+        ``default_decay(P)``.
+      chain_decay: decay of the ``dspark`` (and ``treespark`` gold-chain) slot weights ``exp(−j/4)``.
+      chain_ce: weight of the gold-token cross-entropy of ``q`` (0.1).
+      chain_l1: weight of ``‖q − p_t‖₁`` (0.9).
+      chain_bce: weight of the confidence BCE against ``sg(1 − ½‖q − p_t‖₁)`` (1.0).
+      tree_tv: ``λ_tv``, weight of the node distillation ``‖q(·|x_u) − p_u‖₁``.
+      tree_ce: ``λ_ce``, weight of the node distillation ``CE(q(·|x_u), y_u)``.
+      tree_coverage: weight of the tree-coverage term.
+      tree_edge: weight of the edge-head calibration BCE.
+      coverage_beta: ``β`` (logit units) of the coverage sigmoid ``σ((ℓ − t_u)/β)``.
+
+    Raises:
+      ValueError: a non-positive decay or ``β``, or a negative weight.
+    """
+
+    dflash_decay: float | None = None
+    chain_decay: float = 4.0
+    chain_ce: float = 0.1
+    chain_l1: float = 0.9
+    chain_bce: float = 1.0
+    tree_tv: float = 0.9
+    tree_ce: float = 0.1
+    tree_coverage: float = 1.0
+    tree_edge: float = 1.0
+    coverage_beta: float = 1.0
+
+    def __post_init__(self):
+        for name in ("dflash_decay", "chain_decay", "coverage_beta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"LossConfig.{name}={value} must be positive.")
+        for name in ("chain_ce", "chain_l1", "chain_bce", "tree_tv", "tree_ce", "tree_coverage", "tree_edge"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"LossConfig.{name}={getattr(self, name)} must be a non-negative weight.")
+
+
+def as_float(x: Array) -> Array:
+    """``x`` in at least float32 (log-softmax over ``V`` in bfloat16 loses the tail)."""
+    return x.astype(jnp.result_type(x.dtype, jnp.float32))
+
+
+def weighted_mean(values: Float[Array, "..."], weights: Float[Array, "..."]) -> Float[Array, ""]:
+    """``Σ w·v / Σ w`` over all entries, 0 when ``Σ w = 0`` (masked entries must be finite)."""
+    total = jnp.sum(weights)
+    return jnp.sum(weights * values) / jnp.where(total > 0, total, 1)
+
+
+def l1_distance(log_q: Float[Array, "... V"], log_p: Float[Array, "... V"]) -> Float[Array, "..."]:
+    """``‖q − p‖₁`` of two log-distributions, ``[..., V] -> [...]`` (in [0, 2])."""
+    return jnp.sum(jnp.abs(jnp.exp(log_q) - jnp.exp(log_p)), axis=-1)
+
+
+def binary_cross_entropy(logits: Float[Array, "..."], targets: Float[Array, "..."]) -> Float[Array, "..."]:
+    """``BCE(σ(logits), targets) = softplus(logits) − targets·logits`` (stable; soft targets allowed)."""
+    return jax.nn.softplus(logits) - targets * logits
+
+
+def gold_cross_entropy(log_q: Float[Array, "... V"], labels: Int[Array, "..."]) -> Float[Array, "..."]:
+    """``−log q(label)``, ``[..., V] × [...] -> [...]``."""
+    return -jnp.take_along_axis(log_q, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def slot_weights(mask: Bool[Array, "B P"], decay: float) -> Float[Array, "B P"]:
+    """``exp(−j/decay)`` on slot ``j`` where ``mask``, else 0 (JAX's default float dtype)."""
+    j = jnp.arange(mask.shape[-1]).astype(jnp.result_type(float))
+    return jnp.where(mask, jnp.exp(-j / decay), 0.0)
+
+
+@struct.dataclass
+class BlockAlignment:
+    """Training labels of ``A`` drafter blocks cut from one rollout.
+
+    Attributes:
+      labels: ``[A, P]`` int32 gold token at depth ``j + 1``: ``tokens[a + j + 1]``.
+      prev_tokens: ``[A, P]`` int32 gold token at depth ``j`` (``tokens[a + j]``, the anchor for
+        ``j = 0``): the Markov head's teacher-forced parent and the confidence head's ``t_prev``.
+      mask: ``[A, P]`` bool ``loss_mask[a + j + 1] & (a + j + 1 < length)``, False for ``a < 0``.
+      rows: ``[A, P]`` int32 position ``a + j`` (clipped to ``[0, T − 1]``): the target row whose
+        distribution ``p_t`` slot ``j`` is trained toward.
+      target: ``[A, P, X]`` the caller's per-position target array gathered at ``rows``
+        (final-norm hidden ``X = D`` or logits ``X = V``), or ``None``.
+    """
+
+    labels: Int[Array, "A P"]
+    prev_tokens: Int[Array, "A P"]
+    mask: Bool[Array, "A P"]
+    rows: Int[Array, "A P"]
+    target: Float[Array, "A P X"] | None = None
+
+
+def align_blocks(tokens: Int[Array, "T"], loss_mask: Bool[Array, "T"], anchors: Int[Array, "A"],
+                 block_size: int, length: Int[Array, ""] | int | None = None,
+                 target: Float[Array, "T X"] | None = None) -> BlockAlignment:
+    """Labels, mask, teacher-forced parents and target rows of drafter blocks (DESIGN.md §1.4).
+
+    The block anchored at position ``a`` is what inference drafts when ``tokens[a]`` is the
+    anchor: context = positions ``< a``, slot ``j`` predicts depth ``j + 1`` = position
+    ``a + j + 1``, and the target's distribution for that token is its row at ``a + j``. The
+    loss mask is shifted exactly like the labels, so a block straddling the prompt/response
+    boundary trains only its response slots. One rollout; ``jax.vmap`` it over a batch.
+
+    Args:
+      tokens: ``[T]`` int token ids of the rollout (prompt + response, padded).
+      loss_mask: ``[T]`` bool, the token is a response token to learn.
+      anchors: ``[A]`` int anchor positions; a negative one is a padding block (fully masked).
+      block_size: static ``P``.
+      length: valid tokens in ``tokens`` (default ``T``).
+      target: optional ``[T, X]`` per-position target array to gather at ``rows``.
+
+    Returns:
+      ``BlockAlignment`` with ``[A, P]`` arrays.
+    """
+    t = tokens.shape[0]
+    length = t if length is None else length
+    anchors = jnp.asarray(anchors, jnp.int32)
+    pos = anchors[:, None] + jnp.arange(block_size + 1, dtype=jnp.int32)[None, :]  # [A, P + 1]
+    safe = jnp.clip(pos, 0, t - 1)
+    seq = tokens.astype(jnp.int32)[safe]
+    label_pos = pos[:, 1:]
+    mask = loss_mask[safe[:, 1:]] & (label_pos < length) & (anchors[:, None] >= 0)
+    rows = safe[:, :-1]
+    return BlockAlignment(labels=seq[:, 1:], prev_tokens=seq[:, :-1], mask=mask, rows=rows,
+                          target=None if target is None else target[rows])
+
+
+def markov_logits(base: Float[Array, "B P V"], prev_tokens: Int[Array, "B P"],
+                  parent: Float[Array, "V R"], child: Float[Array, "R V"]) -> Float[Array, "B P V"]:
+    """Teacher-forced child logits ``U_j + A(t_prev, ·)`` with ``A(t, x) = E[t] · W[:, x]`` (full V).
+
+    Args:
+      base: ``[B, P, V]`` base logits ``U_j``.
+      prev_tokens: ``[B, P]`` int gold token at depth ``j`` (``BlockAlignment.prev_tokens``).
+      parent, child: the Markov head's ``E [V, R]`` and ``W [R, V]``.
+    """
+    return base + jnp.einsum("BPR,RV->BPV", parent[prev_tokens], child).astype(base.dtype)
+
+
+def chain_acceptance(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P V"]
+                     ) -> Float[Array, "B P"]:
+    """Per-depth acceptance estimate ``α_j = 1 − ½‖q_j − p_t‖₁`` (temperature 1, no gradient to ``p_t``).
+
+    ``α_j`` is the probability that rejection sampling accepts a depth-``j + 1`` draft from
+    ``q_j`` given its parent was accepted (Leviathan et al. 2023, §3.5).
+    """
+    log_q = jax.nn.log_softmax(as_float(q_logits), axis=-1)
+    log_p = jax.nn.log_softmax(as_float(jax.lax.stop_gradient(target_logits)), axis=-1)
+    return 1 - 0.5 * l1_distance(log_q, log_p)
+
+
+def expected_chain_tau(alpha: Float[Array, "B P"], mask: Bool[Array, "B P"]) -> Float[Array, ""]:
+    """Offline expected τ of a chain: ``1 + Σ_j Π_{i≤j} α_i``, averaged over blocks.
+
+    A masked slot counts as rejected (``α = 0``), so the chain stops at the first label outside
+    the response or the rollout; blocks whose first slot is masked are left out of the average
+    (they have nothing to draft). A perfect drafter with an unmasked block of ``P`` slots has
+    ``τ = 1 + P`` (``P`` drafts plus the bonus).
+
+    Returns:
+      Scalar float mean τ (0 when no block has a first label).
+    """
+    survive = jnp.cumprod(jnp.where(mask, alpha, 0), axis=-1)
+    tau = 1 + jnp.sum(survive, axis=-1)
+    return weighted_mean(tau, mask[:, 0].astype(tau.dtype))
+
+
+def dflash(base_logits: Float[Array, "B P V"], labels: Int[Array, "B P"], mask: Bool[Array, "B P"],
+           cfg: LossConfig = LossConfig()) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """DFlash loss: gold-token CE of the base logits, slot weights ``exp(−j/γ_w)``.
+
+    Args:
+      base_logits: ``[B, P, V]`` base logits ``U_j`` (no Markov head).
+      labels, mask: ``[B, P]`` from ``align_blocks``.
+      cfg: ``dflash_decay`` (``None`` = ``default_decay(P)``).
+
+    Returns:
+      ``(total, {"ce": total})``.
+    """
+    decay = cfg.dflash_decay or default_decay(base_logits.shape[1])
+    ce = gold_cross_entropy(jax.nn.log_softmax(as_float(base_logits), axis=-1), labels)
+    total = weighted_mean(ce, slot_weights(mask, decay))
+    return total, {"ce": total}
+
+
+def dspark(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P V"], labels: Int[Array, "B P"],
+           mask: Bool[Array, "B P"], confidence_logits: Float[Array, "B P"] | None = None,
+           cfg: LossConfig = LossConfig()) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """DSpark loss on the gold chain: ``0.1·CE + 0.9·‖q − p_t‖₁ + 1.0·BCE(c_j, sg(α_j))``.
+
+    ``q`` is the Markov-head distribution teacher-forced with the gold previous token
+    (``markov_logits``); CE is of ``q`` on the gold token; ``α_j = 1 − ½‖q_j − p_t‖₁`` is the
+    confidence head's target (stop-gradient: the BCE trains only the head). Slot weights
+    ``exp(−j/chain_decay)``. DSpark (Markov head, confidence head); DESIGN.md §1.4.
+
+    Args:
+      q_logits: ``[B, P, V]`` ``U_j + A(t_prev, ·)``.
+      target_logits: ``[B, P, V]`` the target's logits at rows ``a + j`` (temperature 1).
+      labels, mask: ``[B, P]`` from ``align_blocks``.
+      confidence_logits: ``[B, P]`` ``logit c_j`` with the gold ``t_prev``, or ``None`` for a
+        drafter without a confidence head (the term is then left out of total and terms).
+      cfg: ``chain_*`` weights and decay.
+
+    Returns:
+      ``(total, {"ce", "l1"[, "bce"]})``.
+    """
+    log_q = jax.nn.log_softmax(as_float(q_logits), axis=-1)
+    log_p = jax.nn.log_softmax(as_float(jax.lax.stop_gradient(target_logits)), axis=-1)
+    weights = slot_weights(mask, cfg.chain_decay)
+    l1 = l1_distance(log_q, log_p)
+    terms = {"ce": weighted_mean(gold_cross_entropy(log_q, labels), weights),
+             "l1": weighted_mean(l1, weights)}
+    total = cfg.chain_ce * terms["ce"] + cfg.chain_l1 * terms["l1"]
+    if confidence_logits is not None:
+        alpha = jax.lax.stop_gradient(1 - 0.5 * l1)
+        terms["bce"] = weighted_mean(binary_cross_entropy(as_float(confidence_logits), alpha), weights)
+        total = total + cfg.chain_bce * terms["bce"]
+    return total, terms
