@@ -248,9 +248,9 @@ class BlockDrafter(nnx.Module):
         block_id = jnp.repeat(jnp.arange(a), p)
         same_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, a * p, a * p))
         mask = jnp.concatenate([sees_context, same_block], axis=2)
-        hidden = self.blocks(x, positions, self.context_keys_values(features, pos_t), mask)
-        hidden = hidden.reshape(b, a, p, -1)
-        return DrafterOutput(hidden=hidden, logits=head.logits(hidden))
+        hidden = self.blocks(x, positions, self.context_keys_values(features, pos_t), mask)  # [B, A·P, D]
+        logits = head.logits(hidden)
+        return DrafterOutput(hidden=hidden.reshape(b, a, p, -1), logits=logits.reshape(b, a, p, -1))
 
     def token_terms(self, head: TargetHead) -> Float[Array, "3 V"]:
         """Per-token head terms ``[w_t · E[t], w_x · E[t], w_c · E[t]]`` (edge parent, edge child,

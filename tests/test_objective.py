@@ -1,0 +1,144 @@
+"""The training objective on real (tiny) rollouts: every loss trains the right parameters, the
+drafter can overfit a handful of rollouts, and on-policy trees feed the treespark terms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from treespark_jax.decode.engine import Engine
+from treespark_jax.drafter.block_proposer import BlockProposer
+from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.methods import drafter_config, speculation
+from treespark_jax.train.batches import batch_from_records
+from treespark_jax.train.objective import objective
+from treespark_jax.train.rollout_records import TreeLog, make_record
+from treespark_jax.train.rollout_run import target_features
+
+from tiny import tiny_decoder
+
+LAYER_IDS = (0, 2)
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_decoder("llama", seed=2, dtype=jnp.float32, vocab_size=64)
+
+
+def make_drafter(target, loss, seed=0):
+    cfg = drafter_config(loss, target.cfg, target_layer_ids=LAYER_IDS, block_size=BLOCK, pool_size=16,
+                         markov_rank=0 if loss == "dflash" else 4)
+    return BlockDrafter(cfg, target.cfg, rngs=nnx.Rngs(seed), std=0.1)
+
+
+def rollouts(target, n=4, new=24, trees_from=None):
+    """Greedy rollouts of random prompts; with ``trees_from`` (a drafter) on-policy, trees logged."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 64, size=6).tolist() for _ in range(n)]
+    engine = Engine(target, stop_ids=[])
+    if trees_from is None:
+        outs, logs = engine.generate(prompts, new)[0], [None] * n
+    else:
+        spec = speculation("treespark", target, 8, drafter=trees_from)
+        outs, _, logs = engine.generate_logged(prompts, new, spec)
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    records = []
+    for p, seq, (feats, hidden), log in zip(prompts, seqs, target_features(target, seqs, LAYER_IDS), logs):
+        trees = None if log is None else TreeLog(**log, rule="greedy", temp=0.0)
+        records.append(make_record(seq, len(p), feats, hidden, prompt_set="random", prompt_id=str(len(records)),
+                                   seed=0, temp=0.0, top_p=1.0, finished=False, trees=trees))
+    return records
+
+
+def loss_and_grads(drafter, head, batch, loss, rule=None):
+    graphdef, params = nnx.split(drafter)
+
+    def f(params):
+        return objective(nnx.merge(graphdef, params), head, batch, loss=loss, rule=rule)
+
+    (total, metrics), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+    return total, metrics, nnx.to_pure_dict(grads)
+
+
+def norm(tree):
+    return float(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)) ** 0.5)
+
+
+@pytest.mark.parametrize("loss", ["dflash", "dspark"])
+def test_chain_losses_train_the_backbone_and_their_own_heads(target, loss):
+    drafter = make_drafter(target, loss)
+    head = TargetHead.of(target, jnp.float32)
+    batch = batch_from_records(rollouts(target), seq_len=32, n_anchors=5, rng=np.random.default_rng(1))
+    total, metrics, grads = loss_and_grads(drafter, head, batch, loss)
+    assert np.isfinite(float(total)) and float(total) > 0
+    assert metrics["alpha"].shape == (BLOCK,) and 1 <= float(metrics["tau"]) <= BLOCK + 1
+    assert norm(grads["fc"]) > 0 and norm(grads["layers"]) > 0 and norm(grads["mask_embed"]) > 0
+    if loss == "dspark":
+        assert norm(grads["markov"]) > 0 and norm(grads["confidence"]) > 0
+        assert set(metrics) >= {"ce", "l1", "bce"}
+    else:
+        assert "markov" not in grads and set(metrics) >= {"ce"}
+
+
+def test_treespark_loss_uses_the_logged_on_policy_trees(target):
+    drafter = make_drafter(target, "treespark")
+    records = rollouts(target, n=3, trees_from=drafter)
+    assert all(len(r["trees"]["anchor_pos"]) > 0 for r in records)
+    head = TargetHead.of(target, jnp.float32)
+    batch = batch_from_records(records, seq_len=32, n_anchors=4, n_trees=3, rng=np.random.default_rng(2))
+    assert batch.trees.valid.any() and batch.trees.accepted.any()
+    total, metrics, grads = loss_and_grads(drafter, head, batch, "treespark", rule="greedy")
+    assert np.isfinite(float(total))
+    for term in ("tree_tv", "tree_ce", "tree_coverage", "tree_edge"):
+        assert np.isfinite(float(metrics[term])), term
+    assert float(metrics["tree_tv"]) > 0 and norm(grads["edge"]) > 0
+    # Without trees in the batch the same drafter trains on the chain only, and the loss says so.
+    with pytest.raises(ValueError, match="needs logged trees"):
+        objective(drafter, head, batch.replace(trees=None), loss="treespark", rule="greedy")
+
+
+def test_a_drafter_overfits_a_handful_of_rollouts(target):
+    """Training on four rollouts drives the offline expected τ close to the block size + 1."""
+    drafter = make_drafter(target, "dspark")
+    head = TargetHead.of(target, jnp.float32)
+    batch = batch_from_records(rollouts(target), seq_len=32, n_anchors=16, rng=np.random.default_rng(3))
+    graphdef, params = nnx.split(drafter)
+    opt = optax.adam(5e-3)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state):
+        def f(p):
+            return objective(nnx.merge(graphdef, p), head, batch, loss="dspark")
+
+        (_, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, metrics
+
+    first = None
+    for _ in range(500):
+        params, state, metrics = step(params, state)
+        first = first if first is not None else float(metrics["tau"])
+    tau = float(metrics["tau"])
+    assert first < 2.5 and tau > 0.85 * (BLOCK + 1), (first, tau)
+
+
+def test_proposal_of_the_trained_drafter_agrees_with_its_training_distribution(target):
+    """What training optimises (q over the full vocabulary) is what the Proposal drafts from,
+    renormalised on the pool: the pool's top child equals the training argmax."""
+    drafter = make_drafter(target, "dspark", seed=5)
+    records = rollouts(target, n=1)
+    head = TargetHead.of(target, jnp.float32)
+    rec = records[0]
+    anchor = 8
+    tokens = jnp.asarray(rec["tokens"][None])
+    feats = jnp.asarray(np.asarray(rec["features"], np.float32)[None])
+    out = drafter.packed(tokens, feats, jnp.asarray([[anchor]]), head)
+    proposer = BlockProposer.create(drafter, target)
+    state = proposer.init(proposer.weights, tokens[:, :anchor], jnp.asarray([anchor]), tokens[:, anchor],
+                          feats[:, :anchor], 64)
+    proposal = proposer.propose(state, tokens[:, anchor], None)
+    np.testing.assert_array_equal(proposal.pool_ids[0, :, 0], jnp.argmax(out.logits[0, 0], axis=-1))

@@ -1,0 +1,155 @@
+"""Fixed-shape training batches cut from rollout records (host side, numpy).
+
+Each sequence contributes up to ``A`` gold-chain anchors and, from on-policy rollouts, up to
+``Tr`` logged verified trees; the drafter runs all of them in one packed forward
+(``BlockDrafter.packed``), blocks never seeing each other. Every shape is fixed by
+``(B, T, A, Tr, N)``, so the train step compiles once.
+
+Anchors: positions ``a`` whose first label ``a + 1`` is a response token (``loss_mask[a + 1]``),
+drawn without replacement by the caller's generator; sequences longer than ``T`` are cut at
+``T`` (the tail is dropped, never the head: positions and context must stay those of
+inference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from flax import struct
+
+from treespark_jax.typing import Array, Bool, Float, Int
+
+
+@struct.dataclass
+class TreeBatch:
+    """Logged verified trees, ``Tr`` per sequence (``anchor_pos = -1`` marks an unused slot).
+
+    Attributes:
+      anchor_pos: ``[B, Tr]`` int32 position of each tree's anchor in its sequence.
+      tokens, parents, depths, sibling_rank: ``[B, Tr, N]`` int32 tree arrays (DESIGN.md §1.2).
+      valid: ``[B, Tr, N]`` bool verified real nodes (all False for an unused slot).
+      accepted: ``[B, Tr, N]`` bool accepted nodes.
+      node_hidden: ``[B, Tr, N + 1, D]`` float32 target final-norm hidden state per verify row.
+      temp: ``[B, Tr]`` float32 temperature the tree was verified at.
+    """
+
+    anchor_pos: Int[Array, "B Tr"]
+    tokens: Int[Array, "B Tr N"]
+    parents: Int[Array, "B Tr N"]
+    depths: Int[Array, "B Tr N"]
+    sibling_rank: Int[Array, "B Tr N"]
+    valid: Bool[Array, "B Tr N"]
+    accepted: Bool[Array, "B Tr N"]
+    node_hidden: Float[Array, "B Tr N+1 D"]
+    temp: Float[Array, "B Tr"]
+
+
+@struct.dataclass
+class TrainBatch:
+    """One global training batch.
+
+    Attributes:
+      tokens: ``[B, T]`` int32 rollout tokens, zero-padded.
+      loss_mask: ``[B, T]`` bool response tokens to learn.
+      lengths: ``[B]`` int32 real tokens per row.
+      features: ``[B, T, m·D]`` float32 target features of the rollout's layer ids.
+      hidden: ``[B, T, D]`` float32 target final-norm hidden states.
+      anchors: ``[B, A]`` int32 gold-chain anchor positions, ``-1`` = unused.
+      trees: the logged trees, or ``None`` (plain rollouts, or a loss that does not use them).
+    """
+
+    tokens: Int[Array, "B T"]
+    loss_mask: Bool[Array, "B T"]
+    lengths: Int[Array, "B"]
+    features: Float[Array, "B T X"]
+    hidden: Float[Array, "B T D"]
+    anchors: Int[Array, "B A"]
+    trees: TreeBatch | None = None
+
+
+def sample_anchors(loss_mask: np.ndarray, length: int, n_anchors: int, rng: np.random.Generator) -> np.ndarray:
+    """Up to ``n_anchors`` sorted anchor positions whose first label is a response token.
+
+    Args:
+      loss_mask: ``[T]`` bool response tokens.
+      length: real tokens (anchors lie in ``0..length − 2``).
+      n_anchors: A.
+      rng: the batch's generator (the only source of randomness).
+
+    Returns:
+      ``[A]`` int32, ``-1`` padding after the real anchors.
+    """
+    candidates = np.flatnonzero(loss_mask[1:length])  # a such that loss_mask[a + 1]
+    pick = np.sort(rng.choice(candidates, size=min(n_anchors, len(candidates)), replace=False))
+    return np.pad(pick, (0, n_anchors - len(pick)), constant_values=-1).astype(np.int32)
+
+
+def _tree_rows(trees: dict[str, Any], length: int, n_trees: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """``n_trees`` logged rounds (anchor inside the kept tokens) in the TreeBatch layout."""
+    usable = np.flatnonzero(np.asarray(trees["anchor_pos"]) < length)
+    pick = np.sort(rng.choice(usable, size=min(n_trees, len(usable)), replace=False))
+    pad = n_trees - len(pick)
+
+    def take(name, dtype, fill=0):
+        x = np.asarray(trees[name])[pick].astype(dtype)
+        return np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+
+    rows = {name: take(name, np.int32) for name in ("tokens", "parents", "depths", "sibling_rank")}
+    rows.update(anchor_pos=take("anchor_pos", np.int32, -1), valid=take("valid", bool),
+                accepted=take("accepted", bool), node_hidden=take("node_hidden", np.float32),
+                temp=np.full((n_trees,), float(trees["temp"]), np.float32))
+    return rows
+
+
+def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anchors: int, n_trees: int = 0,
+                       rng: np.random.Generator) -> TrainBatch:
+    """Stacks rollout records (``rollout_records`` fields) into one fixed-shape ``TrainBatch``.
+
+    Args:
+      records: decoded rollout records (``B`` of them).
+      seq_len: T; longer rollouts are cut at ``T`` tokens.
+      n_anchors: A gold-chain anchors per sequence.
+      n_trees: Tr logged trees per sequence (0: no trees; records without trees get empty slots).
+      rng: generator drawing anchors and trees (deterministic batches for a given state).
+
+    Returns:
+      A numpy ``TrainBatch`` (float32 features and hidden states).
+
+    Raises:
+      ValueError: no records, ``seq_len < 2``, or trees of different budgets.
+    """
+    if not records:
+        raise ValueError("a training batch needs at least one rollout record.")
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len} must be at least 2 tokens (an anchor and its label).")
+    b = len(records)
+    x, d = records[0]["features"].shape[1], records[0]["hidden"].shape[1]
+    out = dict(tokens=np.zeros((b, seq_len), np.int32), loss_mask=np.zeros((b, seq_len), bool),
+               lengths=np.zeros((b,), np.int32), features=np.zeros((b, seq_len, x), np.float32),
+               hidden=np.zeros((b, seq_len, d), np.float32), anchors=np.zeros((b, n_anchors), np.int32))
+    tree_rows = []
+    for i, rec in enumerate(records):
+        n = min(len(rec["tokens"]), seq_len)
+        out["tokens"][i, :n] = rec["tokens"][:n]
+        out["loss_mask"][i, :n] = rec["loss_mask"][:n]
+        out["lengths"][i] = n
+        out["features"][i, :n] = np.asarray(rec["features"][:n], np.float32)
+        out["hidden"][i, :n] = np.asarray(rec["hidden"][:n], np.float32)
+        out["anchors"][i] = sample_anchors(out["loss_mask"][i], n, n_anchors, rng)
+        if n_trees:
+            tree_rows.append(_tree_rows(rec["trees"], n, n_trees, rng) if "trees" in rec else None)
+    trees = None
+    if n_trees:
+        shapes = {r["tokens"].shape[1] for r in tree_rows if r is not None}
+        if len(shapes) > 1:
+            raise ValueError(f"logged trees have different budgets {sorted(shapes)}; train on one budget at a time.")
+        budget = shapes.pop() if shapes else 1
+        empty = dict(anchor_pos=np.full((n_trees,), -1, np.int32),
+                     **{k: np.zeros((n_trees, budget), np.int32) for k in ("tokens", "parents", "depths", "sibling_rank")},
+                     valid=np.zeros((n_trees, budget), bool), accepted=np.zeros((n_trees, budget), bool),
+                     node_hidden=np.zeros((n_trees, budget + 1, d), np.float32), temp=np.zeros((n_trees,), np.float32))
+        rows = [r if r is not None else empty for r in tree_rows]
+        trees = TreeBatch(**{k: np.stack([r[k] for r in rows]) for k in empty})
+    return TrainBatch(**out, trees=trees)

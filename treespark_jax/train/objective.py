@@ -1,0 +1,110 @@
+"""The training objective: one packed drafter forward over a ``TrainBatch``, then the loss.
+
+Gold-chain anchors and logged-tree anchors of a sequence share one ``BlockDrafter.packed``
+call, so every block is exactly the block inference drafts from that anchor. Targets come
+from the rollout's final-norm hidden states through the target's frozen LM head (``p_t`` of
+slot ``j`` = the row of position ``a + j``, ``chain_losses.align_blocks``). DESIGN.md §1.4.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.train.batches import TrainBatch
+from treespark_jax.train.losses import (LOSSES, LoggedTrees, LossConfig, align_blocks, chain_acceptance,
+                                        dflash, dspark, expected_chain_tau, markov_logits, tree_child_logits,
+                                        tree_edge_logits, treespark)
+from treespark_jax.tree.arrays import DraftTree
+from treespark_jax.typing import Array, Float
+
+
+def _flat(x):
+    """``[B, A, ...]`` → ``[B·A, ...]``."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _logged_trees(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, logits, hidden
+                  ) -> tuple[LoggedTrees, Float[Array, "Tr R V"], Float[Array, "Tr N"] | None]:
+    """The trees of ``batch`` with the drafter's child logits and edge logits at their nodes."""
+    t = batch.trees
+    anchor_tok = _flat(jnp.take_along_axis(batch.tokens, jnp.maximum(t.anchor_pos, 0), axis=1))
+    used = _flat(t.anchor_pos >= 0)
+    tree = DraftTree(tokens=_flat(t.tokens), parents=_flat(t.parents), depths=_flat(t.depths),
+                     sibling_rank=_flat(t.sibling_rank), pool_index=jnp.zeros_like(_flat(t.tokens)),
+                     valid=_flat(t.valid) & used[:, None], score=jnp.zeros(_flat(t.tokens).shape, jnp.float32))
+    markov = drafter.markov
+    v = head.embed.shape[0]
+    parent = markov.parent[...] if markov is not None else jnp.zeros((v, 0), logits.dtype)
+    child = markov.child[...] if markov is not None else jnp.zeros((0, v), logits.dtype)
+    child_logits = tree_child_logits(logits, anchor_tok, tree, parent, child)
+    edge = None
+    if drafter.edge is not None:
+        e = drafter.edge
+        terms = e.token_terms(head.embed)
+        edge = tree_edge_logits(child_logits, tree, anchor_tok, e.scale[...], e.bias[...] + hidden @ e.w_hidden[...],
+                                terms[0], terms[1])
+    target = head.logits(_flat(t.node_hidden).astype(logits.dtype))  # [Tr, N + 1, V]
+    logged = LoggedTrees(tree=tree, accepted=_flat(t.accepted) & tree.valid, target_logits=target,
+                         temp=_flat(t.temp))
+    return logged, child_logits, edge
+
+
+def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, loss: str,
+              cfg: LossConfig = LossConfig(), rule: str | None = None
+              ) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """The loss ``loss`` of ``drafter`` on ``batch`` and its metrics (traceable; differentiate
+    with respect to the drafter's parameters).
+
+    Args:
+      drafter: the block drafter (its heads must match the loss: a Markov head for ``dspark``
+        and ``treespark`` is used when present).
+      head: the target's frozen embedding and LM head.
+      batch: ``TrainBatch`` (``trees`` required by ``treespark``).
+      loss: one of ``losses.LOSSES``.
+      cfg: term weights.
+      rule: static verify rule of the logged trees (``treespark`` only).
+
+    Returns:
+      ``(total, metrics)``: metrics holds every loss term by name, ``loss`` (the total),
+      ``alpha`` ``[P]`` (per-depth acceptance estimate ``1 − ½‖q − p_t‖₁`` over the gold
+      chain, masked mean) and ``tau`` (offline expected chain τ).
+
+    Raises:
+      ValueError: an unknown loss, or ``treespark`` without trees or a rule.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r} is unknown; choose one of {', '.join(LOSSES)}.")
+    if loss == "treespark" and (batch.trees is None or rule is None):
+        raise ValueError("the treespark loss needs logged trees and their verify rule (on-policy rollouts).")
+    batch = jax.tree.map(jnp.asarray, batch)  # numpy batches index traced arrays below
+    p = drafter.cfg.block_size
+    a = batch.anchors.shape[1]
+    with_trees = loss == "treespark"
+    anchors = jnp.concatenate([batch.anchors, batch.trees.anchor_pos], axis=1) if with_trees else batch.anchors
+    out = drafter.packed(batch.tokens, batch.features, anchors, head)
+    align = jax.vmap(lambda t, m, an, n, h: align_blocks(t, m, an, p, n, h))(
+        batch.tokens, batch.loss_mask, batch.anchors, batch.lengths, batch.hidden)
+    labels, mask, prev = _flat(align.labels), _flat(align.mask), _flat(align.prev_tokens)
+    base = _flat(out.logits[:, :a])
+    target_logits = head.logits(_flat(align.target).astype(base.dtype))
+    q = base
+    if drafter.markov is not None:
+        q = markov_logits(base, prev, drafter.markov.parent[...], drafter.markov.child[...])
+    conf = None
+    if drafter.confidence is not None:
+        conf = drafter.confidence_logits(_flat(out.hidden[:, :a]), prev, head)
+    if loss == "dflash":
+        total, terms = dflash(base, labels, mask, cfg)
+    elif loss == "dspark":
+        total, terms = dspark(q, target_logits, labels, mask, conf, cfg)
+    else:
+        logged, child_logits, edge = _logged_trees(drafter, head, batch, _flat(out.logits[:, a:]),
+                                                   _flat(out.hidden[:, a:]))
+        total, terms = treespark(q, target_logits, labels, mask, child_logits, edge, logged, rule, conf, cfg)
+    alpha = chain_acceptance(q, target_logits)
+    w = mask.astype(alpha.dtype)
+    metrics = dict(terms, loss=total, tau=expected_chain_tau(alpha, mask),
+                   alpha=jnp.sum(alpha * w, 0) / jnp.maximum(jnp.sum(w, 0), 1))
+    return total, metrics

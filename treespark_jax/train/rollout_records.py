@@ -1,0 +1,181 @@
+"""One rollout record: its fields, their checks, and its bytes (DESIGN.md §1.4, Data).
+
+A record is a flat dict (``T`` = prompt + response tokens, ``D`` = target width, ``m`` = number
+of target layer ids, ``R`` = verified rounds, ``N`` = tree budget)::
+
+    tokens      int32     [T]         prompt then response ids (the response ends at a stop
+                                      token or at max_new_tokens)
+    loss_mask   bool      [T]         True exactly at response tokens
+    features    bfloat16  [T, m·D]    outputs of the target layers ``layer_ids`` (manifest),
+                                      concatenated in that order
+    hidden      bfloat16  [T, D]      the target's final-norm hidden state (LM-head input)
+    prompt_set  str                   the prompt's set (or JSONL file stem)
+    prompt_id   str                   its id within the set
+    seed        int                   the row's request seed (uint32)
+    temp        float                 sampling temperature (0 = greedy)
+    top_p       float                 nucleus mass
+    finished    bool                  the response ended at a stop token
+    trees       dict | absent         on-policy rollouts only: every verified tree (below)
+
+``trees`` (an on-policy rollout, speculative decoding with a drafter)::
+
+    anchor_pos    int32     [R]          position of each round's anchor in ``tokens``
+    tokens        int32     [R, N]       tree arrays as a builder returns them (DESIGN.md §1.2):
+    parents       int32     [R, N]       parent index, -1 = the anchor
+    depths        int32     [R, N]       1..max_depth
+    sibling_rank  int32     [R, N]       draw order among siblings (the rejection rule needs it)
+    valid         bool      [R, N]       padding nodes False
+    accepted      bool      [R, N]       the node was accepted (prefix-closed, valid only)
+    node_hidden   bfloat16  [R, N+1, D]  final-norm hidden state of every verify row, row 0 =
+                                         the anchor, row i+1 = node i (so p_u is exact)
+    rule          str                    verify rule: "greedy", "match" or "rejection"
+    temp          float                  temperature the tree was verified at
+
+Bytes: ``flax.serialization.msgpack_serialize`` of the dict. It stores each numpy array as its
+dtype name, shape and raw bytes, so bfloat16 (``ml_dtypes``) survives exactly; decoding returns
+read-only numpy arrays that view the record's bytes (no copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from flax import serialization
+
+__all__ = ["FEATURE_DTYPE", "RECORD_FIELDS", "TREE_RULES", "RolloutError", "TreeLog", "decode_record",
+           "encode_record", "make_record"]
+
+FEATURE_DTYPE = np.dtype(ml_dtypes.bfloat16)
+TREE_RULES = ("greedy", "match", "rejection")
+RECORD_FIELDS = ("tokens", "loss_mask", "features", "hidden", "prompt_set", "prompt_id", "seed", "temp",
+                 "top_p", "finished")
+_TREE_INT_FIELDS = ("tokens", "parents", "depths", "sibling_rank")
+
+
+class RolloutError(ValueError):
+    """Rollout data that is missing, damaged, inconsistent or made for another target."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeLog:
+    """Every tree verified while generating one record (fields as in the module docstring)."""
+
+    anchor_pos: np.ndarray
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    sibling_rank: np.ndarray
+    valid: np.ndarray
+    accepted: np.ndarray
+    node_hidden: np.ndarray
+    rule: str
+    temp: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's ``trees`` entry (arrays cast to their stored dtypes)."""
+        out = {"anchor_pos": np.asarray(self.anchor_pos, np.int32), "rule": str(self.rule),
+               "temp": float(self.temp), "valid": np.asarray(self.valid, bool),
+               "accepted": np.asarray(self.accepted, bool),
+               "node_hidden": np.asarray(self.node_hidden).astype(FEATURE_DTYPE)}
+        out.update({f: np.asarray(getattr(self, f), np.int32) for f in _TREE_INT_FIELDS})
+        return out
+
+    @classmethod
+    def from_dict(cls, trees: dict[str, Any]) -> TreeLog:
+        """The inverse of ``to_dict``."""
+        return cls(**{f.name: trees[f.name] for f in dataclasses.fields(cls)})
+
+    def check(self, tokens: np.ndarray, d_model: int) -> None:
+        """Checks shapes and tree structure against the record's ``tokens`` ``[T]``.
+
+        Raises:
+          RolloutError: mismatched shapes, an unknown rule, a negative temperature, an anchor
+            outside the sequence, a parent that does not precede its child, an accepted node
+            that is padding or whose parent was not accepted, or an accepted node whose token
+            differs from the committed token at ``anchor_pos + depth``.
+        """
+        t = self.to_dict()
+        r, n = t["tokens"].shape if t["tokens"].ndim == 2 else (-1, -1)
+        if r < 0 or any(t[f].shape != (r, n) for f in (*_TREE_INT_FIELDS, "valid", "accepted")) \
+                or t["anchor_pos"].shape != (r,) or t["node_hidden"].shape != (r, n + 1, d_model):
+            raise RolloutError("tree log arrays must be [R, N] (node_hidden [R, N+1, D], anchor_pos [R]); got "
+                               + ", ".join(f"{k} {v.shape}" for k, v in t.items() if isinstance(v, np.ndarray)))
+        if t["rule"] not in TREE_RULES or not t["temp"] >= 0:
+            raise RolloutError(f"tree log rule {t['rule']!r} / temp {t['temp']} must be one of "
+                               f"{', '.join(TREE_RULES)} with temp ≥ 0.")
+        pos, parents = t["anchor_pos"], t["parents"]
+        if np.any(pos < 0) or np.any(pos >= len(tokens)):
+            raise RolloutError(f"tree anchor positions must lie in [0, {len(tokens)}), the record's tokens.")
+        if np.any(parents < -1) or np.any(parents >= np.arange(n)[None, :]):
+            raise RolloutError("every tree node's parent must be -1 (the anchor) or an earlier node.")
+        acc = t["accepted"]
+        parent_acc = np.where(parents >= 0, np.take_along_axis(acc, np.maximum(parents, 0), 1), True)
+        if np.any(acc & ~t["valid"]) or np.any(acc & ~parent_acc):
+            raise RolloutError("accepted tree nodes must be valid and have accepted parents.")
+        at = pos[:, None] + t["depths"]
+        inside = acc & (at < len(tokens))
+        if np.any(t["tokens"][inside] != tokens[at[inside]]):
+            raise RolloutError("an accepted tree node's token differs from the committed token at its position.")
+
+
+def make_record(tokens, prompt_len: int, features, hidden, *, prompt_set: str, prompt_id: str, seed: int,
+                temp: float, top_p: float, finished: bool, trees: TreeLog | None = None) -> dict[str, Any]:
+    """Builds and checks one record.
+
+    Args:
+      tokens: ``[T]`` prompt then response ids.
+      prompt_len: prompt tokens ``P`` (``0 < P < T``); the loss mask is True at ``P..T-1``.
+      features: ``[T, m·D]`` selected-layer features (any float dtype; stored bfloat16).
+      hidden: ``[T, D]`` final-norm hidden states (stored bfloat16).
+      prompt_set, prompt_id: where the prompt comes from.
+      seed, temp, top_p: the row's generation settings.
+      finished: the response ended at a stop token.
+      trees: the verified trees of an on-policy rollout.
+
+    Returns:
+      The record dict (module docstring).
+
+    Raises:
+      RolloutError: inconsistent lengths or shapes, or a malformed tree log.
+    """
+    tokens = np.asarray(tokens, np.int32)
+    features, hidden = np.asarray(features), np.asarray(hidden)
+    t = len(tokens)
+    if not 0 < prompt_len < t:
+        raise RolloutError(f"prompt length {prompt_len} must be in [1, {t - 1}] for a record of {t} tokens "
+                           "(the response needs at least one token).")
+    if features.ndim != 2 or hidden.ndim != 2 or features.shape[0] != t or hidden.shape[0] != t \
+            or features.shape[1] % hidden.shape[1]:
+        raise RolloutError(f"features {features.shape} and hidden {hidden.shape} must be [T, m·D] and [T, D] "
+                           f"with T = {t} tokens.")
+    record = {"tokens": tokens, "loss_mask": np.arange(t) >= prompt_len,
+              "features": features.astype(FEATURE_DTYPE), "hidden": hidden.astype(FEATURE_DTYPE),
+              "prompt_set": str(prompt_set), "prompt_id": str(prompt_id), "seed": int(seed),
+              "temp": float(temp), "top_p": float(top_p), "finished": bool(finished)}
+    if trees is not None:
+        trees.check(tokens, hidden.shape[1])
+        record["trees"] = trees.to_dict()
+    return record
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    """The record's bytes (msgpack, see the module docstring)."""
+    return serialization.msgpack_serialize(record)
+
+
+def decode_record(data: bytes, where: str = "a rollout shard") -> dict[str, Any]:
+    """The record dict of ``encode_record``'s bytes.
+
+    Raises:
+      RolloutError: bytes that are not a record (naming ``where``).
+    """
+    try:
+        record = serialization.msgpack_restore(data)
+    except Exception as e:  # noqa: BLE001  (msgpack raises several unrelated types for bad bytes)
+        raise RolloutError(f"a record in {where} cannot be decoded ({type(e).__name__}); the shard is corrupt.") from e
+    if not isinstance(record, dict) or any(f not in record for f in RECORD_FIELDS):
+        raise RolloutError(f"a record in {where} lacks the rollout fields; the shard is corrupt or not a rollout.")
+    return record

@@ -1,0 +1,232 @@
+"""Generating rollouts: the target answers prompts, and its features are logged per token.
+
+For each batch of prompts the engine generates the responses (autoregressively, or
+speculatively with a drafter), then **one** causal forward of the target over the batch of
+whole ``prompt + response`` sequences (right-padded to a power-of-two bucket, in the target's
+compute dtype, float32 on CPU) gives every token's selected-layer features and final-norm hidden
+state, stored bfloat16. One batch becomes one shard (see :mod:`~treespark_jax.train.rollout_store`).
+
+Only the first user turn of each prompt is answered: MT-Bench's second turns need the model's
+own first answer and are not generated here.
+
+Seeds: prompt ``(set, id)`` samples with the uint32 seed taken from
+``sha256("treespark-rollout\\0<seed>\\0<set>\\0<id>")``, so a record does not depend on the batch
+it falls in, on ``--limit`` or on a resume.
+
+Resume: the prompts listed in the directory's finished shards are skipped; the remaining ones
+are batched in their original order. At temperature 0 a resumed run writes the same records as
+an uninterrupted one (batches are formed the same way); at temperature > 0 each row's draws are
+seeded per prompt, so they agree too as long as the engine gives the same batch composition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from treespark_jax.config import default_layer_ids
+from treespark_jax.decode import buckets
+from treespark_jax.decode.engine import Engine, Speculation
+from treespark_jax.decode.prefill import prefill_mask
+from treespark_jax.drafter.checkpoint import TargetBinding
+from treespark_jax.models.decoder import Decoder
+from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.train.prompt_sets import PromptRecord
+from treespark_jax.train.prompts import prompt_ids
+from treespark_jax.train.rollout_records import TreeLog, make_record
+from treespark_jax.train.rollout_store import RolloutWriter
+
+__all__ = ["RolloutRun", "RolloutSettings", "prompt_seed", "target_features", "write_rollouts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    """How the target answers (all but ``batch_size`` must match when a run is resumed).
+
+    Attributes:
+      max_new_tokens: cap on response tokens per prompt (the stop token counts).
+      temp: temperature (0 = greedy).
+      top_p: nucleus mass in ``(0, 1]``.
+      seed: base seed (see the module docstring).
+      batch_size: prompts per generation batch and per shard.
+      method: decoding method (``"ar"``, or a drafter method when speculating).
+      budget: tree budget N when speculating, else ``None``.
+      drafter: the drafter's identity (checkpoint path) when speculating, else ``None``.
+    """
+
+    max_new_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 8
+    method: str = "ar"
+    budget: int | None = None
+    drafter: str | None = None
+
+
+@dataclasses.dataclass
+class RolloutRun:
+    """What one ``write_rollouts`` call did.
+
+    Attributes:
+      manifest: the directory's manifest after the call.
+      skipped: prompts already done by an earlier run (resumed).
+      written_records, written_tokens, written_bytes: what this call added.
+      generate_s, features_s, write_s: seconds spent generating, in the feature forward, and
+        encoding + writing + hashing shards.
+    """
+
+    manifest: dict[str, Any]
+    skipped: int
+    written_records: int = 0
+    written_tokens: int = 0
+    written_bytes: int = 0
+    generate_s: float = 0.0
+    features_s: float = 0.0
+    write_s: float = 0.0
+
+
+def prompt_seed(seed: int, prompt_set: str, prompt_id: str) -> int:
+    """The uint32 request seed of one prompt (module docstring)."""
+    digest = hashlib.sha256(f"treespark-rollout\0{seed}\0{prompt_set}\0{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "layer_ids"))
+def _features_program(graphdef, weights, tokens, lengths, *, layer_ids):
+    model = nnx.merge(graphdef, weights)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cache = KVCache.zeros(model.cfg, b, t, model.dtype)
+    out = model(tokens, positions, prefill_mask(lengths, t, t), cache, layer_ids)
+    return out.features.astype(jnp.bfloat16), out.hidden.astype(jnp.bfloat16)
+
+
+def target_features(model: Decoder, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int]
+                    ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per-token target features of whole sequences from one causal forward of the batch.
+
+    Args:
+      model: the target.
+      sequences: token ids per row (1 ≤ length ≤ the model's context).
+      layer_ids: 0-based decoder layers whose outputs to concatenate (m of them).
+
+    Returns:
+      Per sequence ``(features [T, m·D], hidden [T, D])``, both bfloat16 numpy arrays.
+    """
+    lens = [len(s) for s in sequences]
+    b, t = buckets.batch_bucket(len(sequences)), buckets.prompt_bucket(max(lens))
+    tokens, lengths = np.zeros((b, t), np.int32), np.ones((b,), np.int32)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)], lengths[i] = s, len(s)
+    graphdef, weights = nnx.split(model)
+    feats, hidden = jax.device_get(_features_program(graphdef, weights, jnp.asarray(tokens), jnp.asarray(lengths),
+                                                     layer_ids=tuple(int(i) for i in layer_ids)))
+    return [(feats[i, :n], hidden[i, :n]) for i, n in enumerate(lens)]
+
+
+def _check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> tuple[int, ...]:
+    ids = tuple(int(i) for i in layer_ids)
+    if not ids or len(set(ids)) != len(ids) or not all(0 <= i < n_layers for i in ids):
+        raise ValueError(f"layer ids {list(ids)} must be distinct 0-based decoder layers below {n_layers}.")
+    return ids
+
+
+def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: RolloutSettings = RolloutSettings(),
+                   layer_ids: Sequence[int] | None = None, spec: Speculation | None = None,
+                   engine: Engine | None = None, source: dict[str, Any] | None = None,
+                   binding: TargetBinding | None = None, progress: bool = True) -> RolloutRun:
+    """Writes (or resumes) a rollout directory: one record per prompt, one shard per batch.
+
+    Args:
+      target: the loaded target (``models.load.Target``: ``model``, ``tokenizer``, ``cfg``).
+      prompts: the prompts in order (ids unique); each answers its first user turn through the
+        chat template.
+      out: the rollout directory (created, or resumed when it holds a manifest).
+      settings: generation settings (recorded in the manifest and in every record).
+      layer_ids: target layers of the stored features; default ``default_layer_ids(n_layers)``
+        (pass the drafter's ids when speculating with one).
+      spec: speculative decoding settings (``None``: autoregressive). With a spec the rollout is
+        on-policy: every verified tree is logged in its record (``trees: true`` in the manifest),
+        verify rule ``greedy`` at temp 0, else the tree's rule.
+      engine: the engine to generate with (default: a new one over ``target.model``).
+      source: how the prompts were chosen (set or file, split, split seed, eval size), recorded
+        in the manifest and compared on resume.
+      binding: the target identity to record; default ``TargetBinding.of(target)``.
+      progress: show a tqdm progress bar (prompts).
+
+    Returns:
+      A :class:`RolloutRun`.
+
+    Raises:
+      ValueError: no prompts, duplicate prompt ids, bad layer ids, a prompt too long for the
+        context, or (``RolloutError``) a directory of another run or of foreign files.
+    """
+    if not prompts:
+        raise ValueError("no prompts were given; pass at least one prompt.")
+    if len({p.id for p in prompts}) != len(prompts):
+        raise ValueError("prompt ids repeat, so finished prompts could not be told apart on resume.")
+    if settings.batch_size < 1:
+        raise ValueError(f"batch size {settings.batch_size} must be at least 1.")
+    cfg = target.cfg
+    layer_ids = _check_layer_ids(default_layer_ids(cfg.n_layers) if layer_ids is None else layer_ids, cfg.n_layers)
+    binding = binding or TargetBinding.of(target)
+    identity = {"prompts": source or {}, "chat": True, "turns": "first",
+                **{k: v for k, v in dataclasses.asdict(settings).items() if k != "batch_size"}}
+    tokenized = {p.id: prompt_ids(target.tokenizer, p) for p in prompts}
+    for p in prompts:  # up front, so a long prompt cannot stop a run half-way
+        if len(tokenized[p.id]) + settings.max_new_tokens > cfg.max_positions:
+            raise ValueError(f"prompt {p.id!r} has {len(tokenized[p.id])} tokens and max_new_tokens="
+                             f"{settings.max_new_tokens}, together more than the target's context of "
+                             f"{cfg.max_positions} tokens.")
+    writer = RolloutWriter(out, {"target": dataclasses.asdict(binding), "layer_ids": list(layer_ids),
+                                 "d_model": cfg.d_model, "identity": identity, "trees": spec is not None})
+    done = writer.done_prompt_ids
+    todo = [p for p in prompts if p.id not in done]
+    run = RolloutRun(manifest=writer.manifest, skipped=len(prompts) - len(todo))
+    engine = engine or Engine(target.model, target.tokenizer.stop_ids)
+    stop_ids = set(target.tokenizer.stop_ids)
+    bar = tqdm(total=len(prompts), initial=run.skipped, unit="prompt", desc="rollouts", disable=not progress)
+    with bar:
+        for start in range(0, len(todo), settings.batch_size):
+            batch = todo[start: start + settings.batch_size]
+            ids = [tokenized[p.id] for p in batch]
+            seeds = [prompt_seed(settings.seed, p.set, p.id) for p in batch]
+            t0 = time.perf_counter()
+            if spec is None:
+                outs, _ = engine.generate(ids, settings.max_new_tokens, settings.temp, settings.top_p, seeds)
+                trees = [None] * len(batch)
+            else:
+                outs, _, logs = engine.generate_logged(ids, settings.max_new_tokens, spec, settings.temp,
+                                                       settings.top_p, seeds)
+                rule = "greedy" if settings.temp == 0 else spec.tree.verify
+                trees = [TreeLog(**log, rule=rule, temp=settings.temp) for log in logs]
+            t1 = time.perf_counter()
+            feats = target_features(target.model, [p + o for p, o in zip(ids, outs)], layer_ids)
+            t2 = time.perf_counter()
+            records = [make_record(p + o, len(p), f, h, prompt_set=rec.set, prompt_id=rec.id, seed=s,
+                                   temp=settings.temp, top_p=settings.top_p, finished=bool(o) and o[-1] in stop_ids,
+                                   trees=tree)
+                       for rec, p, o, (f, h), s, tree in zip(batch, ids, outs, feats, seeds, trees)]
+            entry = writer.write_shard(records)
+            t3 = time.perf_counter()
+            run.generate_s, run.features_s, run.write_s = (run.generate_s + t1 - t0, run.features_s + t2 - t1,
+                                                           run.write_s + t3 - t2)
+            run.written_records += entry["records"]
+            run.written_tokens += entry["tokens"]
+            run.written_bytes += entry["bytes"]
+            bar.update(len(batch))
+            bar.set_postfix(tokens=run.written_tokens, MB=f"{run.written_bytes / 1e6:.1f}")
+    run.manifest = writer.manifest
+    return run
+

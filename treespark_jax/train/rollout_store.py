@@ -1,0 +1,209 @@
+"""Rollout directories: ArrayRecord shards, the manifest and resumable writing.
+
+Layout of a rollout directory::
+
+    <dir>/manifest.json               rewritten atomically after every finished shard
+    <dir>/shard-00000.array_record    one shard per generation batch, records in prompt order
+    <dir>/shard-00001.array_record
+    <dir>/.shard-00002.array_record.tmp   (only while a shard is being written)
+
+Shards are ArrayRecord files (``group_size:1``, the layout Grain's random access wants), one
+record per prompt (bytes of :func:`~treespark_jax.train.rollout_records.encode_record`), so
+``grain.sources.ArrayRecordDataSource`` reads them natively. A shard is written under a hidden
+temporary name and renamed when complete; only then is it listed in the manifest, with its
+record count, byte size, sha256 and prompt ids. A listed shard is therefore complete, and any
+file not listed (a temporary, or a shard renamed just before a crash) is discarded on resume.
+
+``manifest.json``::
+
+    format, format_version    "treespark-rollouts", 1
+    target                    TargetBinding fields (drafter/checkpoint.py): the target identity
+    layer_ids, d_model        the features' target layers (m of them) and width D
+    feature_dtype             "bfloat16"
+    identity                  what a resumed run must repeat exactly: prompt source, split,
+                              split seed, eval size, chat, generation settings, drafter
+    trees                     whether records carry verified trees (on-policy rollouts)
+    shards                    [{file, records, tokens, response_tokens, bytes, sha256, prompt_ids}]
+    records, tokens, response_tokens, bytes    totals
+    next_shard                number of the next shard file (a listed shard's name is never reused)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+from treespark_jax.train.rollout_records import RolloutError, encode_record
+
+__all__ = ["MANIFEST", "RolloutWriter", "read_manifest", "shard_problem"]
+
+MANIFEST = "manifest.json"
+FORMAT, FORMAT_VERSION = "treespark-rollouts", 1
+WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access without decoding neighbours
+COMPARED = ("family", "vocab_size", "d_model", "n_layers", "weights_sha256")  # the name is not
+_CHUNK = 1 << 20
+_SHARD_NAME = re.compile(r"\.?shard-\d{5,}\.array_record(\.tmp)?")
+
+
+def _sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The manifest of a rollout directory.
+
+    Raises:
+      RolloutError: the directory does not exist, is empty, has no manifest, or its manifest is
+        unreadable or of another format version (one sentence naming the directory).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise RolloutError(f"rollout directory {str(directory)!r} does not exist.")
+    path = directory / MANIFEST
+    if not path.is_file():
+        if not any(directory.iterdir()):
+            raise RolloutError(f"rollout directory {str(directory)!r} is empty; write rollouts into it with "
+                               "`treespark rollout --out DIR` first.")
+        raise RolloutError(f"{str(directory)!r} has no {MANIFEST}, so it is not a rollout directory "
+                           "(or its run never finished a shard).")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RolloutError(f"{str(path)!r} is not readable JSON ({e}).") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise RolloutError(f"{str(path)!r} is not a rollout manifest of format version {FORMAT_VERSION} "
+                           f"(found {version!r}).")
+    return manifest
+
+
+def shard_problem(directory: Path, shard: dict[str, Any], sha256: bool) -> str | None:
+    """Why a shard listed in a manifest is unusable, as a phrase, or None when it is intact.
+
+    Checks that the file exists, has the recorded byte size, (with ``sha256``) the recorded hash,
+    and that ArrayRecord reads the recorded number of records from its footer.
+    """
+    path = directory / shard["file"]
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != shard["bytes"]:
+        return f"has {size} bytes but the manifest records {shard['bytes']} (truncated or overwritten)"
+    if sha256 and _sha256(path) != shard["sha256"]:
+        return "does not match its recorded sha256 (corrupted)"
+    try:
+        reader = ArrayRecordReader(str(path))
+    except RuntimeError as e:  # Riegeli reports a damaged file this way
+        return f"cannot be opened as an ArrayRecord file ({str(e).splitlines()[0][:120]})"
+    try:
+        if not reader.ok() or reader.num_records() != shard["records"]:
+            return f"holds {reader.num_records()} readable records, not the {shard['records']} recorded"
+    finally:
+        reader.close()
+    return None
+
+
+class RolloutWriter:
+    """Writes shards into a rollout directory, resuming a previous run of the same settings.
+
+    Args:
+      directory: the output directory (created if needed).
+      header: the manifest fields fixed for the run: ``target`` (TargetBinding fields),
+        ``layer_ids``, ``d_model``, ``identity`` (dict) and ``trees`` (bool).
+
+    On an existing directory the header must agree with its manifest (else ``RolloutError``
+    naming the first differing setting); temporary and unlisted shard files are deleted, and
+    listed shards that fail their size or sha256 check are dropped from the manifest so that
+    their prompts are generated again.
+
+    Raises:
+      RolloutError: a directory holding other files but no manifest, or another run's settings.
+    """
+
+    def __init__(self, directory: str | Path, header: dict[str, Any]):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fresh = {"format": FORMAT, "format_version": FORMAT_VERSION, **header, "feature_dtype": "bfloat16",
+                 "shards": [], "next_shard": 0}
+        if (self.directory / MANIFEST).exists():
+            self.manifest = read_manifest(self.directory)
+            self._check_same_run(fresh)
+        elif any(p for p in self.directory.iterdir() if not p.name.startswith(".")):
+            raise RolloutError(f"output directory {str(self.directory)!r} holds files but no {MANIFEST}; "
+                               "choose an empty or new directory.")
+        else:
+            self.manifest = fresh
+        self.dropped = [s["file"] for s in self.manifest["shards"]
+                        if shard_problem(self.directory, s, sha256=True)]
+        self.manifest["shards"] = [s for s in self.manifest["shards"] if s["file"] not in self.dropped]
+        listed = {s["file"] for s in self.manifest["shards"]}
+        for path in self.directory.iterdir():  # only our own names: other files are left alone
+            if _SHARD_NAME.fullmatch(path.name) and path.name not in listed:
+                path.unlink()
+        self._save()
+
+    def _check_same_run(self, fresh: dict[str, Any]) -> None:
+        old = self.manifest
+        pairs = [(f"target {f}", old["target"].get(f), fresh["target"][f]) for f in COMPARED]
+        pairs += [("layer ids", old.get("layer_ids"), fresh["layer_ids"]), ("trees", old.get("trees"), fresh["trees"])]
+        keys = sorted(set(old.get("identity", {})) | set(fresh["identity"]))
+        pairs += [(k, old.get("identity", {}).get(k), fresh["identity"].get(k)) for k in keys]
+        for name, was, now in pairs:
+            if json.loads(json.dumps(was)) != json.loads(json.dumps(now)):  # tuples vs lists
+                raise RolloutError(f"{str(self.directory)!r} holds rollouts made with {name} = {was!r}, not {now!r}; "
+                                   "resume with the same settings or choose another --out directory.")
+
+    @property
+    def done_prompt_ids(self) -> set[str]:
+        """Prompt ids of the records already in finished shards."""
+        return {p for s in self.manifest["shards"] for p in s["prompt_ids"]}
+
+    def write_shard(self, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Writes one shard of records (from ``make_record``), then rewrites the manifest.
+
+        Returns:
+          The shard's manifest entry.
+        """
+        name = f"shard-{self.manifest['next_shard']:05d}.array_record"
+        final, tmp = self.directory / name, self.directory / f".{name}.tmp"
+        writer = ArrayRecordWriter(str(tmp), WRITER_OPTIONS)
+        for record in records:
+            writer.write(encode_record(record))
+        writer.close()
+        os.replace(tmp, final)
+        tokens = sum(len(r["tokens"]) for r in records)
+        response = sum(int(r["loss_mask"].sum()) for r in records)
+        entry = {"file": name, "records": len(records), "tokens": tokens, "response_tokens": response,
+                 "bytes": final.stat().st_size, "sha256": _sha256(final),
+                 "prompt_ids": [r["prompt_id"] for r in records]}
+        self.manifest["shards"].append(entry)
+        self.manifest["next_shard"] += 1
+        self._save()
+        return entry
+
+    def _save(self) -> None:
+        shards = self.manifest["shards"]
+        for key in ("records", "tokens", "response_tokens", "bytes"):
+            self.manifest[key] = sum(s[key] for s in shards)
+        _write_json_atomic(self.directory / MANIFEST, self.manifest)
