@@ -1,18 +1,32 @@
-"""Latency of one target forward over ``rows`` new tokens at a given context length."""
+"""Latency of one target forward and of one round's drafting, and the cost-model profiler.
+
+``profile_cost`` is what ``treespark profile`` runs: verify latency per ladder rung and context
+length, draft latency per context length, fitted into a ``CostModel`` (DESIGN.md §1.5).
+"""
 
 from __future__ import annotations
 
 import functools
-import statistics
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
+from treespark_jax.config import DrafterConfig, TreeConfig, default_layer_ids, default_ladder
 from treespark_jax.decode.ar import decode_mask
+from treespark_jax.decode.cost_model import CostModel, current_device_kind
+from treespark_jax.drafter.block_proposer import BlockProposer
+from treespark_jax.drafter.model import BlockDrafter
+from treespark_jax.drafter.proposer import Committed
+from treespark_jax.methods import MARKOV_RANK, TREE_BRANCH
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.tree.builders import build_tree
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -25,19 +39,200 @@ def _forward(graphdef, weights, tokens, cache):
     return model.logits(model(tokens, positions, mask, cache).hidden)
 
 
+def forward_call(model: Decoder, rows: int, context: int, capacity: int) -> Callable[[], jax.Array]:
+    """A zero-argument jitted target call on ``rows`` tokens after ``context`` cached ones, in a
+    cache of ``capacity`` positions (batch 1); it returns the logits ``[1, rows, V]``."""
+    graphdef, weights = nnx.split(model)
+    cache = KVCache.zeros(model.cfg, 1, capacity, model.dtype).replace(lengths=jnp.asarray([context], jnp.int32))
+    tokens = jnp.zeros((1, rows), jnp.int32)
+    return lambda: _forward(graphdef, weights, tokens, cache)
+
+
 def forward_latency(model: Decoder, rows: int, context: int, capacity: int, repeats: int = 5) -> float:
     """Median seconds of one jitted target call on ``rows`` tokens after ``context`` cached ones.
 
     This is the verify cost ``C_v`` of a tree with ``rows - 1`` nodes (DESIGN.md §1.5); the call
     includes the LM head on every row, as verification does. Compilation is excluded.
     """
-    graphdef, weights = nnx.split(model)
-    cache = KVCache.zeros(model.cfg, 1, capacity, model.dtype).replace(lengths=jnp.asarray([context], jnp.int32))
-    tokens = jnp.zeros((1, rows), jnp.int32)
-    jax.block_until_ready(_forward(graphdef, weights, tokens, cache))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(_forward(graphdef, weights, tokens, cache))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return float(np.median(interleaved_seconds([forward_call(model, rows, context, capacity)], repeats)[0]))
+
+
+# ------------------------------------------------------------------------ cost model profiling
+
+
+@functools.partial(jax.jit, static_argnames=("proposer", "tree"))
+def _draft_round(state, anchor, committed, *, proposer, tree):
+    proposal = proposer.propose(state, anchor, None)
+    built = build_tree(proposal, anchor, tree, temp=0.0, top_p=1.0, sample=False)
+    # Only the context: returning the whole state would copy the weights it carries (the
+    # target's embedding among them) on every call, which a real round never does.
+    return built, proposer.update(state, committed).context
+
+
+def interleaved_seconds(calls: Sequence[Callable[[], Any]], repeats: int, progress: bool = False) -> np.ndarray:
+    """Wall seconds of each call, ``repeats`` times, in interleaved sweeps over all calls.
+
+    Every call runs once first (compilation and warm-up, not timed). Interleaving spreads a
+    burst of load from other processes over all the calls instead of one measurement, which is
+    what lets neighbouring cells of a profile be compared on a shared machine.
+
+    Returns:
+      ``[len(calls), repeats]`` float seconds.
+    """
+    bar = tqdm(total=len(calls) * (repeats + 1), desc="profiling", unit="call", disable=not progress)
+    for call in calls:
+        jax.block_until_ready(call())
+        bar.update()
+    times = np.zeros((len(calls), repeats))
+    for r in range(repeats):
+        for i, call in enumerate(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times[i, r] = time.perf_counter() - t0
+            bar.update()
+    bar.close()
+    return times
+
+
+def profile_drafter(target: Decoder, seed: int = 0) -> BlockDrafter:
+    """A randomly initialised drafter with the ``treespark`` recipe's heads (Markov rank
+    ``MARKOV_RANK`` and the edge head, as ``methods.drafter_config``) for ``target``: the default
+    feature layers (fewer than five for a target too shallow for them) and a pool no larger than
+    the vocabulary. Its cost depends only on its shapes, not on its weight values.
+
+    Raises:
+      ValueError: for a target too shallow for even one default feature layer.
+    """
+    for m in (5, 4, 3, 2, 1):
+        try:
+            ids = default_layer_ids(target.cfg.n_layers, m)
+            break
+        except ValueError:
+            continue
+    else:
+        raise ValueError(f"a {target.cfg.n_layers}-layer target is too shallow for a block drafter.")
+    cfg = DrafterConfig(target_layer_ids=ids, pool_size=min(DrafterConfig.pool_size, target.cfg.vocab_size),
+                        markov_rank=MARKOV_RANK, edge_head=True)
+    return BlockDrafter(cfg, target.cfg, rngs=nnx.Rngs(params=seed), dtype=target.dtype)
+
+
+def draft_call(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int) -> Callable[[], Any]:
+    """A zero-argument jitted call of one round's drafting at batch 1: the block drafter's
+    forward over a context cache of ``context`` positions, ``build_tree`` (greedy children) and
+    the context update. Its latency is the draft cost ``C_d`` of DESIGN.md §1.5."""
+    feat = len(proposer.layer_ids) * target.cfg.d_model
+    committed_len = context - tree.budget - 1
+    features = jnp.zeros((1, committed_len, feat), target.dtype)
+    state = proposer.init(proposer.weights, jnp.zeros((1, committed_len), jnp.int32),
+                          jnp.asarray([committed_len], jnp.int32), jnp.zeros((1,), jnp.int32), features, context)
+    x = tree.max_depth + 1
+    committed = Committed(tokens=jnp.zeros((1, x), jnp.int32), n=jnp.ones((1,), jnp.int32),
+                          bonus=jnp.zeros((1,), jnp.int32), features=jnp.zeros((1, x, feat), target.dtype))
+    anchor = jnp.zeros((1,), jnp.int32)
+    return lambda: _draft_round(state, anchor, committed, proposer=proposer, tree=tree)
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    """``"64,256,1024"`` → ``(64, 256, 1024)``.
+
+    Raises:
+      ValueError: unless ``text`` is comma-separated positive integers in strictly ascending order.
+    """
+    try:
+        contexts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise ValueError(f"contexts {text!r} must be comma-separated positive integers, e.g. 64,256,1024.") from None
+    if not contexts or min(contexts) < 1 or list(contexts) != sorted(set(contexts)):
+        raise ValueError(f"contexts {text!r} must be positive integers in strictly ascending order.")
+    return contexts
+
+
+def check_profile_args(budget: int, contexts: tuple[int, ...], repeats: int, max_positions: int | None = None) -> None:
+    """Validates ``profile_cost``'s settings before anything is loaded or compiled.
+
+    Raises:
+      ValueError: a budget or repeat count below 1, no contexts, a context too short for the
+        tree (``budget + 2`` positions: the tree rows plus one committed token), or one beyond
+        the model's ``max_positions``.
+    """
+    if budget < 1:
+        raise ValueError(f"budget={budget} must be at least 1 drafted node.")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be at least 1.")
+    if not contexts:
+        raise ValueError("give at least one context length to profile.")
+    if contexts[0] < budget + 2:
+        raise ValueError(f"context {contexts[0]} is too short for budget {budget}: a verify call attends over "
+                         f"the {budget + 1} tree rows plus at least one committed token, so use at least "
+                         f"{budget + 2}.")
+    if max_positions is not None and contexts[-1] > max_positions:
+        raise ValueError(f"context {contexts[-1]} exceeds the model's {max_positions} positions.")
+
+
+def profile_rows(budget: int) -> tuple[int, ...]:
+    """Verified rows profiled for ``budget`` N: ``rung + 1`` for every rung of the default ladders
+    of N, N/2, N/4, … 1, so one profile also serves the smaller budgets without extrapolation.
+
+    A one-row call is not profiled: no ladder verifies zero nodes, and on CPU it runs a
+    matrix-vector kernel much cheaper than the matrix-matrix ones of two or more rows, a kink
+    no convex fit through the tree sizes should bend to.
+    """
+    rungs, n = set(), budget
+    while n >= 1:
+        rungs.update(default_ladder(n))
+        n //= 2
+    return tuple(sorted(r + 1 for r in rungs))
+
+
+def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[int, ...] = (64, 256, 1024),
+                 repeats: int = 5, progress: bool = False) -> CostModel:
+    """Measures and fits the round costs of ``model`` on JAX's default device (batch 1).
+
+    For each context length ``S`` (key positions: the cache is ``S`` long, its first
+    ``S − rows`` positions committed) and each of ``profile_rows(budget)``: the verify latency
+    (``forward_call``); per context, the draft latency of a random ``profile_drafter`` with the
+    ``treespark`` builder at ``budget`` (``draft_call``). All calls are compiled first, then
+    timed in ``repeats`` interleaved sweeps (``interleaved_seconds``); the per-cell medians are
+    fitted by ``CostModel.fit`` (monotone convex in rows).
+
+    Args:
+      model: the target.
+      target: the target's id (``decode.cost_model.target_id``), recorded in the model.
+      budget: tree budget N; its default ladder and those of its halvings give the rows.
+      contexts: ascending context lengths (tokens).
+      repeats: timed calls per measurement (after one warm-up call).
+      progress: show a progress bar.
+
+    Returns:
+      The fitted ``CostModel`` (raw medians in its ``measured_*`` fields), milliseconds.
+
+    Raises:
+      ValueError: as ``check_profile_args``.
+    """
+    contexts = tuple(contexts)
+    check_profile_args(budget, contexts, repeats, model.cfg.max_positions)
+    rows = profile_rows(budget)
+    drafter = profile_drafter(model)
+    proposer = BlockProposer.create(drafter, model)
+    tree = TreeConfig(budget=budget, max_depth=min(budget, drafter.cfg.block_size), branch=TREE_BRANCH,
+                      builder="treespark")
+    calls = [forward_call(model, r, s - r, s) for s in contexts for r in rows]
+    calls += [draft_call(model, proposer, tree, s) for s in contexts]
+    ms = 1e3 * np.median(interleaved_seconds(calls, repeats, progress), axis=1)
+    verify, draft = ms[:-len(contexts)].reshape(len(contexts), len(rows)), ms[-len(contexts):]
+    return CostModel.fit(contexts, rows, verify, draft, device=current_device_kind(), target=target, budget=budget)
+
+
+def cost_table(cost: CostModel) -> str:
+    """The profile as a text table: verify latency per rows × context, measured / fitted (ms),
+    and the draft latency per context."""
+    head = f"{'rows':>6}" + "".join(f"{'ctx ' + str(s):>18}" for s in cost.contexts)
+    lines = [f"{cost.target} on {cost.device}, budget {cost.budget}: milliseconds, measured / fitted", head]
+    measured = cost.measured_verify_ms or cost.verify_ms
+    for j, r in enumerate(cost.rows):
+        lines.append(f"{r:>6}" + "".join(f"{measured[i][j]:>9.2f} /{cost.verify_ms[i][j]:>7.2f}"
+                                          for i in range(len(cost.contexts))))
+    draft = cost.measured_draft_ms or cost.draft_ms
+    lines.append(f"{'draft':>6}" + "".join(f"{draft[i]:>9.2f} /{cost.draft_ms[i]:>7.2f}"
+                                           for i in range(len(cost.contexts))))
+    return "\n".join(lines)
