@@ -31,6 +31,28 @@ def test_prompt_lookup_method_matches_greedy_ar(preset, capsys):
     assert pl["token_ids"] == ar["token_ids"] and pl["stats"]["tau"] > 1.5
 
 
+def test_drafter_method_with_a_saved_drafter_matches_greedy_ar(preset, capsys, tmp_path):
+    """A drafter checkpoint bound to the preset, passed with --drafter, through --method treespark."""
+    from flax import nnx
+
+    from treespark_jax.drafter.checkpoint import TargetBinding, save_drafter
+    from treespark_jax.drafter.model import BlockDrafter
+    from treespark_jax.methods import drafter_config
+    from treespark_jax.models.load import load_target
+
+    target = load_target(preset)
+    drafter = BlockDrafter(drafter_config("treespark", target.cfg), target.cfg, rngs=nnx.Rngs(0))
+    path = save_drafter(tmp_path / "drafter", drafter, TargetBinding.of(target), training={"loss": "none"})
+    args = ["generate", "--preset", preset, "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--json"]
+    assert main(args) == 0
+    ar = json.loads(capsys.readouterr().out)
+    assert main(args + ["--method", "treespark", "--drafter", str(path), "--budget", "8"]) == 0
+    tree = json.loads(capsys.readouterr().out)
+    assert tree["token_ids"] == ar["token_ids"] and tree["stats"]["tau"] >= 1.0
+    assert main(args + ["--method", "ddtree", "--drafter", "random", "--builder", "chain"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == ar["token_ids"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--prompt", ""], "prompt 0 is empty"),
     (["--prompt", "hi " * 9000], "more than the model's context of 8192 tokens"),
@@ -38,6 +60,9 @@ def test_prompt_lookup_method_matches_greedy_ar(preset, capsys):
     (["--prompt", "hi", "--temp", "-1"], "temperature -1.0 is negative"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
     (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be at least 1"),
+    (["--prompt", "hi", "--method", "treespark"], "method 'treespark' needs a trained block drafter"),
+    (["--prompt", "hi", "--method", "dflash", "--drafter", "/no/such/drafter"], "/no/such/drafter"),
+    (["--prompt", "hi", "--drafter", "random"], "method 'ar' uses no block drafter"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(preset, capsys, flags, message):
     assert main(["generate", "--preset", preset] + flags) == 2

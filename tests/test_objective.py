@@ -13,6 +13,7 @@ from treespark_jax.drafter.block_proposer import BlockProposer
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.methods import drafter_config, speculation
 from treespark_jax.train.batches import batch_from_records
+from treespark_jax.train.evaluate import evaluate_drafter
 from treespark_jax.train.objective import objective
 from treespark_jax.train.rollout_records import TreeLog, make_record
 from treespark_jax.train.rollout_run import target_features
@@ -124,6 +125,13 @@ def test_a_drafter_overfits_a_handful_of_rollouts(target):
         first = first if first is not None else float(metrics["tau"])
     tau = float(metrics["tau"])
     assert first < 2.5 and tau > 0.85 * (BLOCK + 1), (first, tau)
+    # The offline evaluator agrees with the training metric, and the greedy chain holds the gold
+    # tokens (a best-first tree spends its budget on width here: the tiny target's p is flat).
+    trained = nnx.merge(graphdef, params)
+    tree = speculation("dspark", target, 8, drafter=trained).tree
+    result = evaluate_drafter(trained, head, [batch], tree)
+    np.testing.assert_allclose(result["chain_tau"], objective(trained, head, batch, loss="dspark")[1]["tau"], rtol=1e-5)
+    assert result["tree_tau"] >= 0.85 * (BLOCK + 1) and result["blocks"] == int(np.sum(batch.anchors >= 0))
 
 
 def test_proposal_of_the_trained_drafter_agrees_with_its_training_distribution(target):
@@ -142,3 +150,20 @@ def test_proposal_of_the_trained_drafter_agrees_with_its_training_distribution(t
                           feats[:, :anchor], 64)
     proposal = proposer.propose(state, tokens[:, anchor], None)
     np.testing.assert_array_equal(proposal.pool_ids[0, :, 0], jnp.argmax(out.logits[0, 0], axis=-1))
+
+
+def test_gold_prefix_in_tree_follows_parents():
+    from treespark_jax.train.evaluate import gold_prefix_in_tree
+    from treespark_jax.tree.arrays import DraftTree
+
+    # anchor → 5 (d1) → 6 (d2) → 9 (d3); anchor → 7 (d1) → 8 (d2); gold = 5, 6, 7, 8
+    z = np.zeros((1, 5), np.int32)
+    tree = DraftTree(tokens=np.asarray([[5, 7, 6, 8, 9]]), parents=np.asarray([[-1, -1, 0, 1, 2]]),
+                     depths=np.asarray([[1, 1, 2, 2, 3]]), sibling_rank=z, pool_index=z,
+                     valid=np.ones((1, 5), bool), score=np.zeros((1, 5), np.float32))
+    gold = jnp.asarray([[5, 6, 7, 8]])
+    assert int(gold_prefix_in_tree(tree, gold, jnp.ones((1, 4), bool))[0]) == 2
+    assert int(gold_prefix_in_tree(tree, jnp.asarray([[7, 8, 1, 1]]), jnp.ones((1, 4), bool))[0]) == 2
+    assert int(gold_prefix_in_tree(tree, gold, jnp.asarray([[True, False, True, True]]))[0]) == 1
+    assert int(gold_prefix_in_tree(tree.replace(valid=np.asarray([[True, True, False, True, True]])),
+                                   gold, jnp.ones((1, 4), bool))[0]) == 1

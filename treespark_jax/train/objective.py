@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
 from treespark_jax.train.batches import TrainBatch
 from treespark_jax.train.losses import (LOSSES, LoggedTrees, LossConfig, align_blocks, chain_acceptance,
                                         dflash, dspark, expected_chain_tau, markov_logits, tree_child_logits,
                                         tree_edge_logits, treespark)
 from treespark_jax.tree.arrays import DraftTree
-from treespark_jax.typing import Array, Float
+from treespark_jax.typing import Array, Bool, Float, Int
 
 
 def _flat(x):
@@ -51,6 +52,45 @@ def _logged_trees(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, lo
     return logged, child_logits, edge
 
 
+@struct.dataclass
+class GoldChain:
+    """The drafter's gold-chain outputs, ``K = B·A`` blocks (flattened batch × anchors).
+
+    Attributes:
+      base: ``[K, P, V]`` base logits ``U_j``.
+      q: ``[K, P, V]`` child logits ``U_j + A(t_prev, ·)`` teacher-forced with the gold parent
+        (``base`` without a Markov head).
+      target_logits: ``[K, P, V]`` the target's logits at rows ``a + j`` (frozen LM head).
+      confidence: ``[K, P]`` DSpark confidence logits, or ``None``.
+      labels, mask, prev_tokens: ``[K, P]`` alignment (``losses.align_blocks``).
+    """
+
+    base: Float[Array, "K P V"]
+    q: Float[Array, "K P V"]
+    target_logits: Float[Array, "K P V"]
+    confidence: Float[Array, "K P"] | None
+    labels: Int[Array, "K P"]
+    mask: Bool[Array, "K P"]
+    prev_tokens: Int[Array, "K P"]
+
+
+def gold_chain(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, out: DrafterOutput) -> GoldChain:
+    """Aligns the first ``A`` blocks of a packed forward ``out`` with the batch's gold tokens."""
+    p, a = drafter.cfg.block_size, batch.anchors.shape[1]
+    align = jax.vmap(lambda t, m, an, n, h: align_blocks(t, m, an, p, n, h))(
+        batch.tokens, batch.loss_mask, batch.anchors, batch.lengths, batch.hidden)
+    prev = _flat(align.prev_tokens)
+    base = _flat(out.logits[:, :a])
+    q = base
+    if drafter.markov is not None:
+        q = markov_logits(base, prev, drafter.markov.parent[...], drafter.markov.child[...])
+    conf = None
+    if drafter.confidence is not None:
+        conf = drafter.confidence_logits(_flat(out.hidden[:, :a]), prev, head)
+    return GoldChain(base=base, q=q, target_logits=head.logits(_flat(align.target).astype(base.dtype)),
+                     confidence=conf, labels=_flat(align.labels), mask=_flat(align.mask), prev_tokens=prev)
+
+
 def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, loss: str,
               cfg: LossConfig = LossConfig(), rule: str | None = None
               ) -> tuple[Float[Array, ""], dict[str, Array]]:
@@ -79,22 +119,13 @@ def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, los
     if loss == "treespark" and (batch.trees is None or rule is None):
         raise ValueError("the treespark loss needs logged trees and their verify rule (on-policy rollouts).")
     batch = jax.tree.map(jnp.asarray, batch)  # numpy batches index traced arrays below
-    p = drafter.cfg.block_size
     a = batch.anchors.shape[1]
     with_trees = loss == "treespark"
     anchors = jnp.concatenate([batch.anchors, batch.trees.anchor_pos], axis=1) if with_trees else batch.anchors
     out = drafter.packed(batch.tokens, batch.features, anchors, head)
-    align = jax.vmap(lambda t, m, an, n, h: align_blocks(t, m, an, p, n, h))(
-        batch.tokens, batch.loss_mask, batch.anchors, batch.lengths, batch.hidden)
-    labels, mask, prev = _flat(align.labels), _flat(align.mask), _flat(align.prev_tokens)
-    base = _flat(out.logits[:, :a])
-    target_logits = head.logits(_flat(align.target).astype(base.dtype))
-    q = base
-    if drafter.markov is not None:
-        q = markov_logits(base, prev, drafter.markov.parent[...], drafter.markov.child[...])
-    conf = None
-    if drafter.confidence is not None:
-        conf = drafter.confidence_logits(_flat(out.hidden[:, :a]), prev, head)
+    chain = gold_chain(drafter, head, batch, out)
+    base, q, target_logits, conf = chain.base, chain.q, chain.target_logits, chain.confidence
+    labels, mask = chain.labels, chain.mask
     if loss == "dflash":
         total, terms = dflash(base, labels, mask, cfg)
     elif loss == "dspark":

@@ -1,0 +1,431 @@
+"""Rollouts: records round-trip, resume, damaged shards and clear errors (DESIGN.md §1.4).
+
+A tiny random Llama target is written to disk as a Hugging Face directory (byte-level tokenizer
+with a ChatML template, safetensors weights), so the library and the CLI load it like any
+user checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from treespark_jax.cli import main
+from treespark_jax.config import default_layer_ids
+from treespark_jax.decode.engine import Engine
+from treespark_jax.decode.prefill import prefill_mask
+from treespark_jax.drafter.checkpoint import TargetBinding, save_drafter
+from treespark_jax.drafter.model import BlockDrafter
+from treespark_jax.methods import drafter_config
+from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.models.load import load_target
+from treespark_jax.train.prompts import load_prompts, prompt_ids
+from treespark_jax.train.rollouts import (MANIFEST, RolloutError, RolloutSettings, RolloutWriter, TreeLog,
+                                          decode_record, encode_record, make_record, open_rollouts, write_rollouts)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+PROMPTS = ["Add 2 and 3.", "Name a tree.", "Say hi.", "Count to 4."]
+SETTINGS = RolloutSettings(max_new_tokens=8, batch_size=2)
+LAYERS = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj",
+              wo="self_attn.o_proj", mlp_norm="post_attention_layernorm", w_gate="mlp.gate_proj",
+              w_up="mlp.up_proj", w_down="mlp.down_proj")
+
+
+def write_tiny_target(path: Path, seed: int = 0) -> Path:
+    """An 8-layer Llama HF directory: 256 byte tokens + 3 specials, weights of std 0.3."""
+    path.mkdir(parents=True)
+    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIALS)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
+    d, f, layers = 48, 80, 8
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": len(vocab), "hidden_size": d, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": f,
+        "rms_norm_eps": 1e-5, "rope_theta": 5000.0, "max_position_embeddings": 512, "tie_word_embeddings": True}))
+    rng = np.random.default_rng(seed)
+    shapes = dict(attn_norm=(d,), wq=(64, d), wk=(32, d), wv=(32, d), wo=(d, 64), mlp_norm=(d,), w_gate=(f, d),
+                  w_up=(f, d), w_down=(d, f))  # PyTorch [out, in]
+    tensors = {"model.embed_tokens.weight": 0.3 * rng.standard_normal((len(vocab), d)),
+               "model.norm.weight": 1 + 0.1 * rng.standard_normal(d)}
+    for i in range(layers):
+        for name, shape in shapes.items():
+            value = 1 + 0.1 * rng.standard_normal(shape) if "norm" in name else 0.3 * rng.standard_normal(shape)
+            tensors[f"model.layers.{i}.{LAYERS[name]}.weight"] = value
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_tiny_target(tmp_path_factory.mktemp("tiny") / "hf")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return load_target(str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "tiny.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(prompt_file):
+    return load_prompts(prompt_file)
+
+
+@pytest.fixture(scope="module")
+def engine(target):
+    return Engine(target.model, target.tokenizer.stop_ids)
+
+
+def _write(target, prompts, engine, out, **kw):
+    return write_rollouts(target, prompts, out, settings=kw.pop("settings", SETTINGS), engine=engine,
+                          progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, target, prompts, engine) -> Path:
+    out = tmp_path_factory.mktemp("rollouts") / "base"
+    run = _write(target, prompts, engine, out)
+    assert (run.written_records, run.skipped, len(run.manifest["shards"])) == (4, 0, 2)
+    return out
+
+
+def _records(directory, **kw) -> list[dict]:
+    rs = open_rollouts(directory, **kw)
+    return [rs[i] for i in range(len(rs))]
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / "copy"))
+
+
+def _reference(model, layer_ids, length: int = 128):
+    """A function: tokens → features and hidden states of that sequence alone (batch 1, float32).
+
+    A plain causal forward with the row right-padded to a fixed ``length`` (one compiled program
+    for every record; with a causal mask the padding cannot change the real rows).
+    """
+    graphdef, weights = nnx.split(model)
+
+    @jax.jit
+    def forward(tokens, n):
+        m = nnx.merge(graphdef, weights)
+        out = m(tokens[None], jnp.arange(length, dtype=jnp.int32)[None], prefill_mask(n[None], length, length),
+                KVCache.zeros(m.cfg, 1, length, m.dtype), tuple(layer_ids))
+        return out.features[0], out.hidden[0]
+
+    def run(tokens):
+        padded = np.zeros(length, np.int32)
+        padded[: len(tokens)] = tokens
+        feats, hidden = forward(jnp.asarray(padded), jnp.asarray(len(tokens), jnp.int32))
+        return np.asarray(feats[: len(tokens)], np.float32), np.asarray(hidden[: len(tokens)], np.float32)
+
+    return run
+
+
+def test_records_round_trip_to_the_targets_recomputed_features(baseline, target, prompts, engine):
+    manifest = json.loads((baseline / MANIFEST).read_text())
+    ids = tuple(manifest["layer_ids"])
+    assert ids == default_layer_ids(8) == (1, 2, 3, 4, 5)
+    rs = open_rollouts(baseline, expect=TargetBinding.of(target), layer_ids=ids)
+    assert len(rs) == 4 and rs.d_model == 48 and rs.layer_ids == ids and not rs.trees
+    reference = _reference(target.model, ids)
+    for prompt, i in zip(prompts, range(len(rs))):
+        rec = rs[i]
+        p = prompt_ids(target.tokenizer, prompt)
+        assert rec["prompt_id"] == prompt.id and rec["tokens"].dtype == np.int32
+        np.testing.assert_array_equal(rec["tokens"][: len(p)], p)
+        np.testing.assert_array_equal(rec["loss_mask"], np.arange(len(rec["tokens"])) >= len(p))
+        assert 1 <= rec["loss_mask"].sum() <= SETTINGS.max_new_tokens
+        assert rec["features"].dtype == rec["hidden"].dtype == np.dtype("bfloat16")
+        feats, hidden = reference(rec["tokens"])
+        for stored, ref in ((rec["features"], feats), (rec["hidden"], hidden)):
+            assert stored.shape == ref.shape
+            # bf16 keeps 8 significant bits: stored = ref (1 ± 2^-8) up to float32 noise.
+            np.testing.assert_allclose(stored.astype(np.float32), ref, rtol=2 ** -8 + 1e-4,
+                                       atol=1e-5 * np.abs(ref).max())
+    # The response is what greedy AR decoding of the prompt alone gives.
+    first = rs[0]
+    p0 = prompt_ids(target.tokenizer, prompts[0])
+    alone, _ = engine.generate([p0, p0], SETTINGS.max_new_tokens)  # same buckets: no new compile
+    np.testing.assert_array_equal(first["tokens"][first["loss_mask"]], alone[0])
+    # A Grain data source, also after pickling (Grain's worker processes).
+    ds = grain.MapDataset.source(pickle.loads(pickle.dumps(rs))).shuffle(seed=0)
+    assert sorted(r["prompt_id"] for r in ds) == [p.id for p in prompts]
+    assert manifest["records"] == 4 and manifest["tokens"] == sum(len(rs[i]["tokens"]) for i in range(4))
+    assert manifest["target"]["weights_sha256"] == TargetBinding.of(target).weights_sha256
+
+
+def test_resume_after_an_interruption_gives_the_same_records(tmp_path, monkeypatch, baseline, target, prompts,
+                                                              engine):
+    out, original = tmp_path / "r", RolloutWriter.write_shard
+
+    def once_then_crash(self, records):
+        if self.manifest["shards"]:
+            raise KeyboardInterrupt
+        return original(self, records)
+
+    monkeypatch.setattr(RolloutWriter, "write_shard", once_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        _write(target, prompts, engine, out)
+    monkeypatch.undo()
+    assert len(json.loads((out / MANIFEST).read_text())["shards"]) == 1
+    (out / ".shard-00001.array_record.tmp").write_bytes(b"half a shard")  # killed mid-write
+    (out / "shard-00001.array_record").write_bytes(b"renamed, not yet listed")
+    (out / "notes.txt").write_text("the user's own file is left alone")
+    run = _write(target, prompts, engine, out)
+    assert (run.skipped, run.written_records) == (2, 2)
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "notes.txt", "shard-00000.array_record",
+                                                      "shard-00001.array_record"]
+    resumed, uninterrupted = _records(out), _records(baseline)
+    assert [r["prompt_id"] for r in resumed] == [p.id for p in prompts]
+    for a, b in zip(resumed, uninterrupted):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    again = _write(target, prompts, engine, out)
+    assert (again.skipped, again.written_records, again.manifest["records"]) == (4, 0, 4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(settings=dataclasses.replace(SETTINGS, temp=0.5)), "temp = 0.0, not 0.5"),
+    (dict(layer_ids=(0, 2)), "layer ids = \\[.*\\], not \\[0, 2\\]"),
+    (dict(binding="other"), "target weights_sha256"),
+])
+def test_resuming_with_other_settings_is_refused(tmp_path, baseline, target, prompts, engine, change, message):
+    out = _copy(baseline, tmp_path)
+    if change.get("binding"):
+        change["binding"] = dataclasses.replace(TargetBinding.of(target), weights_sha256="ab" * 32)
+    before = sorted((p.name, p.stat().st_size) for p in out.iterdir())
+    with pytest.raises(RolloutError, match=f"holds rollouts made with {message}.*same settings"):
+        _write(target, prompts, engine, out, **change)
+    assert sorted((p.name, p.stat().st_size) for p in out.iterdir()) == before
+
+
+def test_a_truncated_shard_is_an_error_and_a_resume_regenerates_it(tmp_path, baseline, target, prompts, engine):
+    out = _copy(baseline, tmp_path)
+    shard = out / "shard-00001.array_record"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    for verify in ("sha256", "size"):
+        with pytest.raises(RolloutError, match=f"shard-00001.array_record' has {len(data) // 2} bytes but the "
+                                               f"manifest records {len(data)} \\(truncated"):
+            open_rollouts(out, verify=verify)
+    run = _write(target, prompts, engine, out)
+    assert (run.skipped, run.written_records) == (2, 2)
+    for a, b in zip(_records(out), _records(baseline)):
+        np.testing.assert_array_equal(a["features"], b["features"])
+
+
+def test_a_corrupted_shard_is_an_error_never_skipped(tmp_path, baseline):
+    out = _copy(baseline, tmp_path)
+    shard = out / "shard-00000.array_record"
+    data = bytearray(shard.read_bytes())
+    data[200] ^= 0xFF  # inside the first record's chunk (the file's first chunk starts at byte 64)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(RolloutError, match="shard-00000.array_record' does not match its recorded sha256"):
+        open_rollouts(out)
+    rs = open_rollouts(out, verify="size")  # same size: only reading the record can tell
+    with pytest.raises(RolloutError, match="shard-00000.array_record' \\(record 0\\) cannot be read"):
+        [rs[i] for i in range(len(rs))]
+
+
+def test_bad_directories_get_one_sentence_errors(tmp_path, baseline, target):
+    with pytest.raises(RolloutError, match="'.*absent' does not exist"):
+        open_rollouts(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RolloutError, match="'.*empty' is empty; write rollouts into it with `treespark rollout"):
+        open_rollouts(tmp_path / "empty")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "data.bin").write_bytes(b"x")
+    with pytest.raises(RolloutError, match="has no manifest.json, so it is not a rollout directory"):
+        open_rollouts(tmp_path / "other")
+    with pytest.raises(RolloutError, match="holds files but no manifest.json; choose an empty or new directory"):
+        RolloutWriter(tmp_path / "other", {})
+    with pytest.raises(RolloutError, match="no rollout directory was given"):
+        open_rollouts([])
+    other = dataclasses.replace(TargetBinding.of(target), name="other-target", n_layers=30)
+    with pytest.raises(RolloutError, match="come from target .* but the expected target 'other-target' .* differs "
+                                           "in n_layers"):
+        open_rollouts(baseline, expect=other)
+    with pytest.raises(RolloutError, match="carry features of layers \\[.*\\], not the \\[0, 1\\] expected"):
+        open_rollouts(baseline, layer_ids=(0, 1))
+
+
+def _edited_copy(src: Path, dst: Path, **fields) -> Path:
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / MANIFEST).read_text())
+    for key, value in fields.items():
+        if key in manifest["target"]:
+            manifest["target"][key] = value
+        else:
+            manifest[key] = value
+    (dst / MANIFEST).write_text(json.dumps(manifest))
+    return dst
+
+
+def test_directories_must_share_target_and_layers(tmp_path, baseline):
+    assert len(open_rollouts([baseline, _edited_copy(baseline, tmp_path / "same")])) == 8
+    sha = _edited_copy(baseline, tmp_path / "sha", weights_sha256="cd" * 32)
+    with pytest.raises(RolloutError, match="come from different targets \\(they differ in weights_sha256\\)"):
+        open_rollouts([baseline, sha])
+    layers = _edited_copy(baseline, tmp_path / "layers", layer_ids=[0, 2])
+    with pytest.raises(RolloutError, match="but those in '.*layers' have \\[0, 2\\]"):
+        open_rollouts([baseline, layers])
+    missing = _edited_copy(baseline, tmp_path / "missing")
+    (missing / "shard-00001.array_record").unlink()
+    with pytest.raises(RolloutError, match="shard-00001.array_record' is missing; re-run the same"):
+        open_rollouts(missing)
+    none = _edited_copy(baseline, tmp_path / "none", shards=[])
+    with pytest.raises(RolloutError, match="holds no finished records yet"):
+        open_rollouts(none)
+
+
+def _trees(rng, tokens, r=3, n=4, d=48) -> TreeLog:
+    """Chains of depth n from anchors at 10, 11, 12 whose first two nodes match the sequence, plus a padded node."""
+    anchor = np.array([10, 11, 12])
+    depths = np.tile(np.arange(1, n + 1), (r, 1))
+    tree_tokens = tokens[anchor[:, None] + depths].copy()
+    tree_tokens[:, 2:] = (tree_tokens[:, 2:] + 1) % 97  # rejected
+    valid = np.ones((r, n), bool)
+    valid[:, -1] = False
+    return TreeLog(anchor_pos=anchor, tokens=tree_tokens, parents=np.tile(np.arange(-1, n - 1), (r, 1)),
+                   depths=depths, sibling_rank=np.zeros((r, n), int), valid=valid,
+                   accepted=np.tile(np.arange(n) < 2, (r, 1)),
+                   node_hidden=rng.standard_normal((r, n + 1, d)), rule="rejection", temp=1.0)
+
+
+def test_tree_logs_round_trip_and_are_checked(tmp_path, target):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 97, 20)
+    trees = _trees(rng, tokens)
+    record = make_record(tokens, 8, rng.standard_normal((20, 96)), rng.standard_normal((20, 48)), prompt_set="s",
+                         prompt_id="a", seed=1, temp=1.0, top_p=1.0, finished=False, trees=trees)
+    back = decode_record(encode_record(record))
+    stored = TreeLog.from_dict(back["trees"])
+    assert (stored.rule, stored.temp) == ("rejection", 1.0) and stored.node_hidden.dtype == np.dtype("bfloat16")
+    np.testing.assert_array_equal(stored.accepted, trees.accepted)
+    np.testing.assert_allclose(stored.node_hidden.astype(np.float32), trees.node_hidden, rtol=2 ** -8)
+    binding = TargetBinding.of(target)
+    writer = RolloutWriter(tmp_path / "on", {"target": dataclasses.asdict(binding), "layer_ids": [0, 2],
+                                             "d_model": 48, "identity": {}, "trees": True})
+    writer.write_shard([record])
+    rs = open_rollouts(tmp_path / "on", expect=binding)
+    assert rs.trees and len(rs) == 1
+    np.testing.assert_array_equal(rs[0]["trees"]["tokens"], trees.tokens)
+    bad = {"accepted": np.tile(np.arange(4) == 1, (3, 1)), "parents": np.tile([-1, 1, 1, 2], (3, 1)),
+           "anchor_pos": np.array([10, 11, 20]), "rule": "guess",
+           "tokens": (trees.tokens + np.array([1, 0, 0, 0])) % 97}
+    for field, value in bad.items():
+        with pytest.raises(RolloutError):
+            dataclasses.replace(trees, **{field: value}).check(tokens, 48)
+
+
+def test_records_refuse_inconsistent_shapes():
+    with pytest.raises(RolloutError, match="prompt length 5 must be in \\[1, 4\\]"):
+        make_record(np.arange(5), 5, np.zeros((5, 8)), np.zeros((5, 4)), prompt_set="s", prompt_id="a", seed=0,
+                    temp=0.0, top_p=1.0, finished=True)
+    with pytest.raises(RolloutError, match="must be \\[T, m·D\\] and \\[T, D\\] with T = 5"):
+        make_record(np.arange(5), 2, np.zeros((4, 8)), np.zeros((5, 4)), prompt_set="s", prompt_id="a", seed=0,
+                    temp=0.0, top_p=1.0, finished=True)
+    with pytest.raises(RolloutError, match="cannot be decoded"):
+        decode_record(b"\xc1garbage")
+
+
+@pytest.mark.e2e
+def test_cli_rollout_on_a_tiny_target(tmp_path, tiny_dir, prompt_file, baseline, capsys):
+    out = tmp_path / "cli"
+    args = ["rollout", "--target", str(tiny_dir), "--prompts", str(prompt_file), "--out", str(out),
+            "--max-new-tokens", "8", "--batch-size", "2"]
+    assert main(args) == 0
+    assert "records    4 (4 written now, 0 already done)" in capsys.readouterr().out
+    assert main(args) == 0
+    assert "records    4 (0 written now, 4 already done)" in capsys.readouterr().out
+    for a, b in zip(_records(out), _records(baseline)):
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["identity"]["prompts"]["source"] == str(prompt_file.resolve()) and manifest["trees"] is False
+    for flags, message in [(["--temp", "1.0"], "holds rollouts made with temp = 0.0, not 1.0"),
+                           (["--split", "train"], "split='train' was given for the JSONL file"),
+                           (["--max-new-tokens", "600"], "prompt 'p0' has \\d+ tokens and max_new_tokens=600, "
+                                                         "together more than the target's context of 512 tokens"),
+                           (["--layer-ids", "1,x"], "--layer-ids '1,x' must be comma-separated integers"),
+                           (["--layer-ids", "0,9"], "layer ids \\[0, 9\\] must be distinct 0-based decoder "
+                                                    "layers below 8")]:
+        assert main(args + flags) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("treespark: error: ") and err.count("\n") == 1, err
+        assert re.search(message, err), err
+
+
+@pytest.mark.slow
+def test_cli_rollout_on_smollm2(tmp_path, smollm2_gguf, capsys):
+    out = tmp_path / "smol"
+    args = ["rollout", "--preset", "smollm2-135m", "--prompts", "gsm8k", "--split", "train", "--limit", "2",
+            "--max-new-tokens", "8", "--out", str(out)]
+    assert main(args) == 0
+    rs = open_rollouts(out, layer_ids=(1, 8, 14, 21, 27))
+    assert len(rs) == 2 and rs.binding.name == "smollm2-135m" and rs.d_model == 576
+    rec = rs[0]
+    assert rec["features"].shape == (len(rec["tokens"]), 5 * 576) and rec["loss_mask"].sum() <= 8
+
+
+@pytest.mark.e2e
+def test_cli_speculative_rollout_and_a_drafter_of_another_target(tmp_path, tiny_dir, prompt_file, baseline,
+                                                                  target, capsys):
+    args = ["rollout", "--target", str(tiny_dir), "--prompts", str(prompt_file), "--max-new-tokens", "8",
+            "--batch-size", "2", "--drafter", "random", "--method", "pctree", "--budget", "4"]
+    assert main(args + ["--out", str(tmp_path / "spec")]) == 0
+    manifest = json.loads((tmp_path / "spec" / MANIFEST).read_text())
+    assert manifest["identity"]["method"] == "pctree" and manifest["trees"] is True
+    for a, b in zip(_records(tmp_path / "spec"), _records(baseline)):  # greedy speculation is lossless
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
+        trees = TreeLog.from_dict(a["trees"])  # on-policy: every verified tree, checked on write
+        assert trees.rule == "greedy" and len(trees.anchor_pos) >= 1 and trees.tokens.shape[1] == 4
+        assert trees.valid[:, 0].all() and len(trees.anchor_pos) <= 8
+    other = dataclasses.replace(target.cfg, n_layers=9)
+    drafter = BlockDrafter(drafter_config("dspark", other), other, rngs=nnx.Rngs(0))
+    path = save_drafter(tmp_path / "foreign", drafter, TargetBinding.for_config(other, "nine-layers", "ef" * 32))
+    args[args.index("random")] = str(path)
+    assert main(args + ["--out", str(tmp_path / "foreign-out")]) == 2
+    err = capsys.readouterr().err
+    assert "was trained for target 'nine-layers'" in err and "differs in n_layers (9 vs 8)" in err, err
+
+
+def test_cli_eval_drafter_reports_offline_chain_and_tree_tau(tmp_path, baseline, target, capsys):
+    drafter = BlockDrafter(drafter_config("treespark", target.cfg, target_layer_ids=default_layer_ids(8),
+                                          block_size=4, pool_size=32), target.cfg, rngs=nnx.Rngs(0))
+    path = save_drafter(tmp_path / "d", drafter, TargetBinding.of(target))
+    out = tmp_path / "eval.json"
+    assert main(["eval-drafter", "--drafter", str(path), "--rollouts", str(baseline), "--budget", "6",
+                 "--anchors", "4", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["blocks"] > 0 and 1 <= result["chain_tau"] <= 5 and 1 <= result["tree_tau"] <= 5
+    assert len(result["alpha"]) == 4 and "tree τ" in capsys.readouterr().out
+    assert main(["eval-drafter", "--drafter", str(path), "--rollouts", str(tmp_path / "nothing")]) == 2
+    assert "nothing" in capsys.readouterr().err

@@ -1,0 +1,131 @@
+"""Offline drafter evaluation on held-out rollouts, without running the target (DESIGN.md §1.4).
+
+- Expected chain τ: ``1 + Σ_j Π_{i≤j} α_i`` with ``α_j = 1 − ½‖q_j − p_t‖₁`` from the rollout's
+  target rows (``losses.expected_chain_tau``), the τ of a chain verified by rejection sampling.
+- Tree τ (greedy rollouts, temp 0): ``1 +`` the longest prefix of the gold continuation that the
+  builder's tree contains, i.e. the τ greedy verification of that tree would give, because the
+  gold tokens of a temp-0 rollout are the target's argmax tokens.
+
+Both are pooled over the anchors of every batch (each anchor's first label is a response token).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from treespark_jax.config import TreeConfig
+from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
+from treespark_jax.train.batches import TrainBatch, batch_from_records
+from treespark_jax.train.losses import chain_acceptance
+from treespark_jax.train.objective import gold_chain
+from treespark_jax.tree.arrays import DraftTree
+from treespark_jax.tree.builders import build_tree
+from treespark_jax.typing import Array, Bool, Int
+
+
+def gold_prefix_in_tree(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Array, "K P"]) -> Int[Array, "K"]:
+    """Length of the longest gold prefix the tree contains (0..max_depth) per row.
+
+    A node is on the gold path when its token is the gold token of its depth, that token is a
+    real label (``gold_ok``), and its parent is the anchor or on the gold path. Parents precede
+    children (admission order), so one pass in node order decides every node.
+
+    Args:
+      tree: ``[K, N]`` draft trees.
+      gold: ``[K, P]`` int32 gold token at depth ``j + 1``.
+      gold_ok: ``[K, P]`` bool the label exists (inside the rollout's response).
+
+    Returns:
+      ``[K]`` int32.
+    """
+    tree = jax.tree.map(jnp.asarray, tree)
+    k, n = tree.tokens.shape
+    depth_ix = jnp.clip(tree.depths - 1, 0, gold.shape[1] - 1)
+    hit = (tree.valid & (jnp.take_along_axis(gold, depth_ix, 1) == tree.tokens)
+           & jnp.take_along_axis(gold_ok, depth_ix, 1))
+    rows = jnp.arange(k)
+
+    def step(i, on_path):
+        parent = tree.parents[:, i]
+        parent_ok = (parent < 0) | on_path[rows, jnp.maximum(parent, 0)]
+        return on_path.at[:, i].set(hit[:, i] & parent_ok)
+
+    on_path = jax.lax.fori_loop(0, n, step, jnp.zeros((k, n), bool))
+    return jnp.max(jnp.where(on_path, tree.depths, 0), axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "tree_cfg"))
+def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_cfg: TreeConfig | None):
+    """Sums over one batch: blocks, chain τ, tree τ (0 without a tree), α per depth and its count."""
+    drafter = nnx.merge(graphdef, params)
+    out = drafter.packed(batch.tokens, batch.features, batch.anchors, head)
+    chain = gold_chain(drafter, head, batch, out)
+    alpha = chain_acceptance(chain.q, chain.target_logits)
+    used = chain.mask[:, 0]
+    survive = jnp.cumprod(jnp.where(chain.mask, alpha, 0), axis=-1)
+    chain_tau = jnp.sum(jnp.where(used, 1 + jnp.sum(survive, -1), 0))
+    tree_tau = jnp.zeros(())
+    if tree_cfg is not None:
+        flat = DrafterOutput(hidden=out.hidden.reshape(-1, *out.hidden.shape[2:]),
+                             logits=out.logits.reshape(-1, *out.logits.shape[2:]))
+        proposal = drafter.proposal(flat, drafter.token_terms(head))
+        tree = build_tree(proposal, chain.prev_tokens[:, 0], tree_cfg, temp=0.0, top_p=1.0, sample=False)
+        accepted = gold_prefix_in_tree(tree, chain.labels, chain.mask)
+        tree_tau = jnp.sum(jnp.where(used, 1 + accepted, 0))
+    w = chain.mask.astype(alpha.dtype)
+    return jnp.sum(used), chain_tau, tree_tau, jnp.sum(alpha * w, 0), jnp.sum(w, 0)
+
+
+def evaluate_drafter(drafter: BlockDrafter, head: TargetHead, batches: Iterable[TrainBatch],
+                     tree: TreeConfig | None = None) -> dict:
+    """Pooled offline metrics of ``drafter`` over ``batches`` of held-out rollouts.
+
+    Args:
+      drafter: the block drafter.
+      head: the target's frozen embedding and LM head.
+      batches: ``TrainBatch`` es (gold-chain anchors only; trees are not used).
+      tree: builder settings for the tree τ (``None``: chain metrics only). Meaningful for
+        greedy (temp 0) rollouts only.
+
+    Returns:
+      ``{"blocks", "chain_tau", "tree_tau" (None without a tree), "alpha" [P] list}``.
+
+    Raises:
+      ValueError: when no batch holds an anchor (nothing to evaluate).
+    """
+    graphdef, params = nnx.split(drafter)
+    blocks = chain = tree_sum = 0.0
+    alpha = count = 0.0
+    for batch in batches:
+        sums = jax.device_get(_batch_sums(graphdef, params, head, jax.tree.map(jnp.asarray, batch), tree_cfg=tree))
+        blocks, chain, tree_sum = blocks + sums[0], chain + sums[1], tree_sum + sums[2]
+        alpha, count = alpha + sums[3], count + sums[4]
+    if not blocks:
+        raise ValueError("the rollouts hold no anchor with a response label; nothing to evaluate.")
+    return {"blocks": int(blocks), "chain_tau": float(chain / blocks),
+            "tree_tau": float(tree_sum / blocks) if tree is not None else None,
+            "alpha": (np.asarray(alpha) / np.maximum(np.asarray(count), 1)).tolist()}
+
+
+def rollout_batches(rollouts, *, batch: int, n_anchors: int, seed: int = 0) -> Iterable[TrainBatch]:
+    """Fixed-shape batches over every record of ``rollouts`` in order, anchors drawn with ``seed``.
+
+    One compiled shape: ``T`` is the longest record rounded up to a multiple of 64, and the last
+    batch is filled with copies of its first record whose anchors are all unused (``-1``), so
+    they add nothing to any sum.
+    """
+    n = len(rollouts)
+    seq_len = -(-max(len(rollouts[i]["tokens"]) for i in range(n)) // 64) * 64
+    rng = np.random.default_rng(seed)
+    for start in range(0, n, batch):
+        records = [rollouts[i] for i in range(start, min(start + batch, n))]
+        real = len(records)
+        out = batch_from_records(records + records[:1] * (batch - real), seq_len=seq_len,
+                                 n_anchors=n_anchors, rng=rng)
+        yield out.replace(anchors=np.where(np.arange(batch)[:, None] < real, out.anchors, -1))
