@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+import jax.numpy as jnp
 from flax import nnx
 
+from treespark_jax.decode.cost_model import cost_model_for, current_device_kind, target_id
 from treespark_jax.decode.engine import Engine, GenerationStats, Speculation
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.methods import DEFAULT_BUDGET, drafter_config, recipe, speculation
@@ -48,7 +50,9 @@ class TreeSpark:
     def __init__(self, target: Target):
         self.target = target
         self.tokenizer = target.tokenizer
-        self.engine = Engine(target.model, target.tokenizer.stop_ids)
+        dtype = jnp.dtype(target.model.dtype).name
+        self.engine = Engine(target.model, target.tokenizer.stop_ids,
+                             cost=cost_model_for(current_device_kind(), target_id(target.name, dtype)))
         self._drafters: dict[str, BlockDrafter] = {}
 
     def drafter(self, method: str, drafter: str | BlockDrafter | None = None) -> BlockDrafter | None:

@@ -190,3 +190,66 @@ class DrafterConfig:
         if "target_layer_ids" not in fields:
             fields["target_layer_ids"] = default_layer_ids(target.n_layers, m)
         return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Drafter training run: batch shape, optimizer and schedule, bookkeeping (DESIGN.md §1.4).
+
+    Attributes:
+      steps: optimizer steps of the whole run (the cosine schedule decays over them).
+      batch: global batch, in rollout sequences per step (split over the mesh's ``data`` axis
+        and over processes; must divide evenly).
+      lr: peak learning rate of AdamW.
+      warmup: linear warm-up steps from 0 to ``lr``; ``None`` = ``min(100, steps // 10)``.
+      min_lr_ratio: the cosine decay ends at ``lr · min_lr_ratio`` at ``steps``.
+      weight_decay: AdamW decoupled weight decay (matrices only; norms, biases and vectors none).
+      clip: global gradient-norm clipping threshold.
+      seed: data order (Grain shuffle, reshuffled every epoch), anchor draws and initialisation.
+      seq_len: T, tokens per sequence (longer rollouts are cut, shorter ones padded).
+      anchors: A, gold-chain blocks per sequence, packed in one forward.
+      trees: logged verified trees per sequence (``treespark`` loss only).
+      save_every: checkpoint interval in steps (the last step is always saved).
+      keep: checkpoints kept (the newest).
+      log_every: metrics interval in steps (averaged over the interval; the last step is logged).
+
+    Raises:
+      ValueError: a non-positive count, rate or threshold, or a warm-up longer than the run.
+    """
+
+    steps: int = 1000
+    batch: int = 16
+    lr: float = 3e-4
+    warmup: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    seed: int = 0
+    seq_len: int = 1024
+    anchors: int = 8
+    trees: int = 4
+    save_every: int = 200
+    keep: int = 3
+    log_every: int = 10
+
+    def __post_init__(self):
+        for name in ("steps", "batch", "anchors", "save_every", "keep", "log_every"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len={self.seq_len} must be at least 2 tokens (an anchor and its label).")
+        if self.trees < 0:
+            raise ValueError(f"trees={self.trees} logged trees per sequence must be 0 or more.")
+        for name in ("lr", "clip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive.")
+        if not 0 <= self.min_lr_ratio <= 1 or not self.weight_decay >= 0:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1] and "
+                             f"weight_decay={self.weight_decay} must be non-negative.")
+        if not 0 <= self.seed < 2 ** 32:
+            raise ValueError(f"seed={self.seed} must lie in [0, 2^32).")
+        if self.warmup is None:
+            object.__setattr__(self, "warmup", min(100, self.steps // 10))
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"warmup={self.warmup} steps must lie in [0, steps={self.steps}) (the cosine decay "
+                             "needs at least one step).")

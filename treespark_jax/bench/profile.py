@@ -23,7 +23,7 @@ from treespark_jax.decode.cost_model import CostModel, current_device_kind
 from treespark_jax.drafter.block_proposer import BlockProposer
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafter.proposer import Committed
-from treespark_jax.methods import MARKOV_RANK, TREE_BRANCH
+from treespark_jax.methods import TREE_BRANCH, drafter_config
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.tree.builders import build_tree
@@ -111,15 +111,14 @@ def profile_drafter(target: Decoder, seed: int = 0) -> BlockDrafter:
             continue
     else:
         raise ValueError(f"a {target.cfg.n_layers}-layer target is too shallow for a block drafter.")
-    cfg = DrafterConfig(target_layer_ids=ids, pool_size=min(DrafterConfig.pool_size, target.cfg.vocab_size),
-                        markov_rank=MARKOV_RANK, edge_head=True)
+    cfg = drafter_config("treespark", target.cfg, target_layer_ids=ids,
+                         pool_size=min(DrafterConfig.pool_size, target.cfg.vocab_size))
     return BlockDrafter(cfg, target.cfg, rngs=nnx.Rngs(params=seed), dtype=target.dtype)
 
 
-def draft_call(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int) -> Callable[[], Any]:
-    """A zero-argument jitted call of one round's drafting at batch 1: the block drafter's
-    forward over a context cache of ``context`` positions, ``build_tree`` (greedy children) and
-    the context update. Its latency is the draft cost ``C_d`` of DESIGN.md §1.5."""
+def _draft_inputs(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int):
+    """A batch-1 drafter state over ``context − N − 1`` committed positions, an anchor and one
+    round's committed rows (zeros: costs depend on shapes only)."""
     feat = len(proposer.layer_ids) * target.cfg.d_model
     committed_len = context - tree.budget - 1
     features = jnp.zeros((1, committed_len, feat), target.dtype)
@@ -128,8 +127,38 @@ def draft_call(target: Decoder, proposer: BlockProposer, tree: TreeConfig, conte
     x = tree.max_depth + 1
     committed = Committed(tokens=jnp.zeros((1, x), jnp.int32), n=jnp.ones((1,), jnp.int32),
                           bonus=jnp.zeros((1,), jnp.int32), features=jnp.zeros((1, x, feat), target.dtype))
-    anchor = jnp.zeros((1,), jnp.int32)
+    return state, jnp.zeros((1,), jnp.int32), committed
+
+
+def draft_call(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int) -> Callable[[], Any]:
+    """A zero-argument jitted call of one round's drafting at batch 1: the block drafter's
+    forward over a context cache of ``context`` positions, ``build_tree`` (greedy children) and
+    the context update. Its latency is the draft cost ``C_d`` of DESIGN.md §1.5."""
+    state, anchor, committed = _draft_inputs(target, proposer, tree, context)
     return lambda: _draft_round(state, anchor, committed, proposer=proposer, tree=tree)
+
+
+@functools.partial(jax.jit, static_argnames=("proposer",))
+def _propose(state, anchor, *, proposer):
+    return proposer.propose(state, anchor, None)
+
+
+@functools.partial(jax.jit, static_argnames=("tree",))
+def _build(proposal, anchor, *, tree):
+    return build_tree(proposal, anchor, tree, temp=0.0, top_p=1.0, sample=False)
+
+
+def round_part_calls(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int
+                     ) -> dict[str, Callable[[], Any]]:
+    """Zero-argument jitted calls of a round's parts at batch 1 and ``context`` key positions:
+    ``propose`` (the drafter pass), ``build`` (``build_tree``, greedy children) and ``verify``
+    (the target over ``N + 1`` rows)."""
+    state, anchor, _ = _draft_inputs(target, proposer, tree, context)
+    proposal = _propose(state, anchor, proposer=proposer)
+    rows = tree.budget + 1
+    return {"propose": lambda: _propose(state, anchor, proposer=proposer),
+            "build": lambda: _build(proposal, anchor, tree=tree),
+            "verify": forward_call(target, rows, context - rows, context)}
 
 
 def parse_contexts(text: str) -> tuple[int, ...]:

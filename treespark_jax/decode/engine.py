@@ -21,6 +21,7 @@ from flax import nnx
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode import buckets
 from treespark_jax.decode.ar import ar_loop
+from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
 from treespark_jax.decode.prefill import prefill
 from treespark_jax.decode.speculative import SpecConfig, SpecState, SpecStats, spec_loop
 from treespark_jax.decode.state import GenState, Requests
@@ -151,10 +152,12 @@ class Engine:
     Args:
       model: the target decoder.
       stop_ids: end-of-sequence ids (the tokenizer's merged stop set).
+      cost: the device's cost model for the cost-aware stop (default: the shipped CPU profile).
     """
 
-    def __init__(self, model: Decoder, stop_ids: Sequence[int]):
+    def __init__(self, model: Decoder, stop_ids: Sequence[int], cost: CostModel = DEFAULT_CPU_COST):
         self.model = model
+        self.cost = cost
         self.graphdef, self.weights = nnx.split(model)
         self.stop_ids = jnp.asarray(sorted(stop_ids) or [-1], jnp.int32)
 
@@ -204,10 +207,9 @@ class Engine:
                                           capacity=capacity, out_size=out_size)
         return state, requests
 
-    @staticmethod
-    def spec_config(spec: Speculation, temp: float, log_trees: bool = False) -> SpecConfig:
+    def spec_config(self, spec: Speculation, temp: float, log_trees: bool = False) -> SpecConfig:
         """The static round configuration for ``spec`` at temperature ``temp``."""
-        return SpecConfig(tree=spec.tree, greedy=temp == 0, log_trees=log_trees)
+        return SpecConfig(tree=spec.tree, greedy=temp == 0, cost=self.cost, log_trees=log_trees)
 
     def run(self, state, requests, stop_after: int, temp: float, spec: Speculation | None,
             log_trees: bool = False):

@@ -1,0 +1,112 @@
+"""The training data stream: Grain over a rollout set, one fixed-shape batch per step.
+
+Pipeline (``grain.MapDataset``, random access all the way, so the position in the stream is a
+single integer)::
+
+    source(RolloutSet) → shuffle(seed) → repeat()      record e of the endless stream
+                                                       (a new permutation every epoch)
+      → map_with_index: (e, record)                     e names the record's anchor draws
+      → batch(batch / processes, batch_fn=…)            one process's rows of one step
+      → [process_index :: process_count]                this process's share of every step
+
+Element ``s`` of a process's dataset is its part of the global batch of step ``s``: rows
+``p·L … (p + 1)·L − 1`` of the records ``s·B … (s + 1)·B − 1`` of the stream (``B`` global
+batch, ``L = B / processes``). The anchors (and logged trees) of record ``e`` are drawn with
+``np.random.default_rng([seed, e])``, so a global batch depends only on ``(seed, step)`` — not on
+the number of processes or devices, not on where a run was interrupted. The iterator's Grain
+state is ``{"next_index": step}`` on every process; checkpointing it (``checkpointing.py``)
+resumes the exact stream, with no batch repeated or skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from treespark_jax.config import TrainConfig
+from treespark_jax.train.batches import TrainBatch, batch_from_records
+from treespark_jax.train.rollout_reader import RolloutSet
+from treespark_jax.train.rollout_records import RolloutError
+
+__all__ = ["data_iterator", "tree_rule", "train_dataset"]
+
+_ANCHOR_STREAM = 1  # purpose tag of the anchor/tree draws (``default_rng([seed, tag, e])``)
+
+
+def tree_rule(rollouts: RolloutSet) -> str:
+    """The verify rule of the logged trees (from the first record; every batch re-checks it).
+
+    Raises:
+      RolloutError: the rollouts carry no verified trees (plain, not on-policy, rollouts).
+    """
+    if not rollouts.trees:
+        raise RolloutError(f"the treespark loss needs on-policy rollouts with logged trees, but "
+                           f"{str(rollouts.dirs[0])!r} holds plain rollouts; use the dspark or dflash loss, "
+                           "or log rollouts with `treespark rollout --drafter PATH`.")
+    return str(rollouts[0]["trees"]["rule"])
+
+
+def _with_index(e: int, record: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    return e, record
+
+
+def _concat(parts: list[TrainBatch]) -> TrainBatch:
+    try:
+        return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts)
+    except ValueError as e:
+        raise RolloutError(f"rollout records of one batch do not stack ({e}); logged trees of different "
+                           "budgets cannot be trained on together.") from e
+
+
+class _MakeBatch:
+    """``[(e, record)] → TrainBatch`` (a picklable callable, for Grain's worker processes)."""
+
+    def __init__(self, cfg: TrainConfig, n_trees: int, rule: str | None):
+        self.cfg, self.n_trees, self.rule = cfg, n_trees, rule
+
+    def __call__(self, items: list[tuple[int, dict[str, Any]]]) -> TrainBatch:
+        parts = []
+        for e, record in items:
+            if self.rule is not None and record.get("trees", {}).get("rule", self.rule) != self.rule:
+                raise RolloutError(f"rollout record {record['prompt_id']!r} holds trees verified with the "
+                                   f"{record['trees']['rule']!r} rule, not {self.rule!r}; train on one rule at a time.")
+            rng = np.random.default_rng([self.cfg.seed, _ANCHOR_STREAM, e])
+            parts.append(batch_from_records([record], seq_len=self.cfg.seq_len, n_anchors=self.cfg.anchors,
+                                            n_trees=self.n_trees, rng=rng))
+        return _concat(parts)
+
+
+def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, rule: str | None = None,
+                  process_index: int | None = None, process_count: int | None = None) -> grain.MapDataset:
+    """This process's batches, element ``s`` = its rows of step ``s`` (module docstring).
+
+    Args:
+      rollouts: the records.
+      cfg: ``seed``, ``batch`` (global), ``seq_len``, ``anchors``.
+      n_trees: logged trees per sequence (0 unless the loss uses trees).
+      rule: the trees' verify rule, checked per record (``None`` = no check).
+      process_index, process_count: default ``jax.process_index()`` / ``jax.process_count()``.
+
+    Returns:
+      An endless ``grain.MapDataset`` of numpy ``TrainBatch`` with ``batch / process_count`` rows.
+
+    Raises:
+      ValueError: a global batch that does not split evenly over the processes.
+    """
+    p = jax.process_index() if process_index is None else process_index
+    n = jax.process_count() if process_count is None else process_count
+    if cfg.batch % n:
+        raise ValueError(f"batch {cfg.batch} does not split evenly over {n} processes.")
+    ds = grain.MapDataset.source(rollouts).shuffle(seed=cfg.seed).repeat()
+    ds = ds.map_with_index(_with_index)
+    ds = ds.batch(cfg.batch // n, drop_remainder=True, batch_fn=_MakeBatch(cfg, n_trees, rule))
+    return ds[p::n]
+
+
+def data_iterator(dataset: grain.MapDataset, *, threads: int = 2, prefetch: int = 2) -> grain.DatasetIterator:
+    """A checkpointable iterator over ``dataset`` that prepares ``prefetch`` batches ahead on
+    ``threads`` threads (its state is the next step, whatever was prefetched)."""
+    return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)))

@@ -1,0 +1,249 @@
+"""Training a block drafter from rollouts: ``treespark train`` (DESIGN.md §1.4).
+
+A run directory ``<out>``::
+
+    run.json          what the run is (loss, TrainConfig, drafter config, target binding,
+                      rollout directories); a second run on the same ``<out>`` must match it
+                      and resumes from the newest checkpoint
+    checkpoints/      Orbax steps: train state + Grain iterator + metadata (checkpointing.py)
+    metrics.jsonl     one line per logged step (metrics_log.py)
+    tb/               TensorBoard event files
+    drafter/          the trained drafter (``drafter.checkpoint.save_drafter``), written when the
+                      last step is done; ``--drafter <out>/drafter`` loads it for decoding
+
+Everything a user can get wrong (loss name, step and batch counts, rollouts of another target
+or layers, an empty rollout directory, a batch that does not split over the mesh, another
+run's directory) is checked before ``<out>`` is touched.
+
+The target's weights are loaded only for its embedding and LM head (``TargetHead``), which the
+drafter shares frozen; features and ``p_t`` come from the rollouts. For SmolLM2-135M that is
+≈ 0.5 GB of float32 for a moment; the rest of the target is dropped before training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from treespark_jax.config import TrainConfig
+from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter
+from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.methods import drafter_config
+from treespark_jax.train.checkpointing import TrainCheckpoints
+from treespark_jax.train.data import data_iterator, train_dataset, tree_rule
+from treespark_jax.train.losses import LOSSES, LossConfig
+from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
+from treespark_jax.train.optim import learning_rate, make_optimizer
+from treespark_jax.train.parallel import data_mesh, global_batch, replicated
+from treespark_jax.train.rollout_reader import RolloutSet, open_rollouts
+from treespark_jax.train.rollout_store import read_manifest
+from treespark_jax.train.step import TrainStep, init_state
+
+__all__ = ["TrainResult", "train"]
+
+RUN_FILE = "run.json"
+# Bookkeeping that may change between a run and its resume (the rest must match).
+_FREE = ("save_every", "keep", "log_every")
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What one ``train`` call did.
+
+    Attributes:
+      out: the run directory.
+      start_step: the step it started from (0, or the restored checkpoint's).
+      step: the step it stopped at.
+      finished: ``step`` is the run's last step (the drafter was exported).
+      drafter_path: ``<out>/drafter`` when finished, else ``None``.
+      metrics: the last logged metrics (``{}`` when no step ran).
+      params: the final parameters (host numpy pure dict).
+    """
+
+    out: Path
+    start_step: int
+    step: int
+    finished: bool
+    drafter_path: Path | None
+    metrics: dict[str, Any]
+    params: dict[str, Any]
+
+
+def _host(tree):
+    """Host numpy copy of replicated arrays (works when other processes hold other devices)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x, tree)
+
+
+def _json(obj):
+    return json.loads(json.dumps(obj))  # tuples → lists, as the file holds them
+
+
+def _check_same_run(path: Path, identity: dict[str, Any]) -> None:
+    old = json.loads(path.read_text())
+    for key in sorted(set(old) | set(identity)):
+        was, now = old.get(key), identity.get(key)
+        if isinstance(was, dict) and isinstance(now, dict):
+            diff = next((k for k in sorted(set(was) | set(now)) if k not in _FREE and was.get(k) != now.get(k)), None)
+            if diff is not None:
+                raise ValueError(f"{path.parent} holds a run with {key} {diff} = {was.get(diff)!r}, not "
+                                 f"{now.get(diff)!r}; resume with the same settings or choose another --out.")
+        elif was != now:
+            raise ValueError(f"{path.parent} holds a run with {key} = {was!r}, not {now!r}; resume with the "
+                             "same settings or choose another --out.")
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, init: str | None,
+             fields: dict[str, Any], dtype, seed: int) -> BlockDrafter:
+    if init is not None:
+        drafter, meta = load_drafter(init, binding, dtype=dtype)
+        if meta.cfg.target_layer_ids != rollouts.layer_ids:
+            raise ValueError(f"drafter {init} reads target layers {list(meta.cfg.target_layer_ids)} but the rollouts "
+                             f"carry features of layers {list(rollouts.layer_ids)}.")
+        return drafter
+    cfg = drafter_config(loss, target.cfg, **{"target_layer_ids": rollouts.layer_ids, **fields})
+    return BlockDrafter(cfg, target.cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+
+
+def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Path, cfg: TrainConfig = TrainConfig(),
+          *, target: str | None = None, dtype: str = "float32", drafter_fields: dict[str, Any] | None = None,
+          init: str | None = None, loss_cfg: LossConfig = LossConfig(), mesh_size: int | None = None,
+          stop_after: int | None = None, tx: optax.GradientTransformation | None = None,
+          progress: bool = True) -> TrainResult:
+    """Trains (or resumes training) a block drafter on rollouts.
+
+    Args:
+      rollouts: rollout directories (``treespark rollout --out``), all of one target and layers.
+      loss: one of ``losses.LOSSES``; it fixes the drafter's heads (``methods.drafter_config``).
+      out: the run directory (module docstring); one holding ``run.json`` is resumed.
+      cfg: batch, optimizer, schedule, bookkeeping.
+      target: preset or path of the target; default the one named in the rollouts' manifest.
+      dtype: the target head's and the drafter's dtype (float32 on CPU).
+      drafter_fields: ``DrafterConfig`` overrides (``n_layers``, ``block_size``, ``pool_size``, …).
+      init: start from this drafter checkpoint instead of a random drafter.
+      loss_cfg: loss term weights.
+      mesh_size: devices on the ``data`` axis (default all).
+      stop_after: stop (checkpointed) after this step without finishing; a later call resumes.
+      tx: optimizer override (default ``optim.make_optimizer(cfg)``; tests pass plain SGD).
+      progress: progress bar and console lines.
+
+    Returns:
+      A :class:`TrainResult`.
+
+    Raises:
+      ValueError: (one sentence each) an unknown loss, a ``stop_after`` outside
+        ``[1, steps]``, rollouts that are missing, empty, damaged, of another target or layers,
+        without trees for ``treespark``, a batch that does not split over the devices, or an
+        ``out`` holding a different run.
+    """
+    from treespark_jax.models.load import load_target
+
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r} is unknown; choose one of {', '.join(LOSSES)}.")
+    if stop_after is not None and not 1 <= stop_after <= cfg.steps:
+        raise ValueError(f"--stop-after {stop_after} must lie in [1, steps={cfg.steps}].")
+    dirs = [Path(rollouts)] if isinstance(rollouts, (str, Path)) else [Path(d) for d in rollouts]
+    if not dirs:
+        raise ValueError("no rollout directory was given.")
+    manifest = read_manifest(dirs[0])  # an empty or foreign directory fails here, before the target loads
+    mesh = data_mesh(mesh_size)
+    if cfg.batch % mesh.size:
+        raise ValueError(f"batch {cfg.batch} does not split evenly over the {mesh.size} devices of the data axis.")
+    loaded = load_target(target or manifest["target"]["name"], dtype)
+    binding = TargetBinding.of(loaded)
+    rs = open_rollouts(dirs, expect=binding)
+    rule = tree_rule(rs) if loss == "treespark" else None
+    jdtype = getattr(jax.numpy, dtype)
+    drafter = _drafter(loss, loaded, binding, rs, init, drafter_fields or {}, jdtype, cfg.seed)
+    head = TargetHead.of(loaded.model, jdtype)
+    del loaded
+
+    out = Path(out).absolute()
+    identity = _json({"loss": loss, "loss_config": dataclasses.asdict(loss_cfg), "train": dataclasses.asdict(cfg),
+                      "drafter": dataclasses.asdict(drafter.cfg), "target": dataclasses.asdict(binding),
+                      "rollouts": [str(d.absolute()) for d in dirs], "records": len(rs),
+                      "init": str(Path(init).absolute()) if init else None,
+                      "dtype": dtype, "optimizer": "adamw" if tx is None else "custom"})
+    run_file = out / RUN_FILE
+    if run_file.exists():
+        _check_same_run(run_file, identity)
+    elif out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out} holds files but no {RUN_FILE}; choose an empty or new directory.")
+    tx = tx or make_optimizer(cfg)  # before anything is written
+    schedule = learning_rate(cfg)
+    primary = jax.process_index() == 0
+    if primary:
+        out.mkdir(parents=True, exist_ok=True)
+        if not run_file.exists():
+            _write_json_atomic(run_file, identity)
+
+    graphdef, state = init_state(drafter, tx)
+    repl = replicated(mesh)
+    ckpts = TrainCheckpoints(out / "checkpoints", keep=cfg.keep)
+    iterator = data_iterator(train_dataset(rs, cfg, n_trees=cfg.trees if loss == "treespark" else 0, rule=rule))
+    start = ckpts.latest_step() or 0
+    last_saved: dict[str, Any] = {}
+    if start:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=repl), state)
+        state, meta = ckpts.restore(start, abstract, iterator)
+        last_saved = meta.get("metrics", {})
+    else:
+        state = jax.device_put(state, repl)
+    head = jax.device_put(head, repl)
+    end = max(start, min(stop_after or cfg.steps, cfg.steps))
+    step_fn = TrainStep(graphdef, tx, loss, loss_cfg, rule, mesh).jitted()
+
+    log = MetricsLog(out, start_step=start, total_steps=cfg.steps, progress=progress, enabled=primary)
+    last = last_saved
+    history: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    try:
+        for s in range(start, end):
+            batch = global_batch(next(iterator), mesh)
+            state, metrics = step_fn(state, head, batch)
+            history.append(metrics)
+            log.advance()
+            done = s + 1
+            if done % cfg.log_every == 0 or done == end:
+                host = [_host(m) for m in history]
+                elapsed = time.perf_counter() - t0
+                tokens = sum(float(h.pop("tokens")) for h in host)
+                last = dict(mean_metrics(host), lr=float(schedule(s)), tokens_per_s=tokens / max(elapsed, 1e-9),
+                            epoch=done * cfg.batch / len(rs))
+                log.log(done, last)
+                history, t0 = [], time.perf_counter()
+            if done % cfg.save_every == 0 or done == end:
+                ckpts.save(done, state, iterator, {"step": done, "metrics": last, "records_seen": done * cfg.batch})
+        ckpts.wait()
+    finally:
+        log.close()
+        ckpts.close()
+
+    params = _host(state["params"])
+    finished = end == cfg.steps
+    path = None
+    if finished:
+        path = out / "drafter"
+        if primary:
+            final = nnx.merge(graphdef, params)
+            training = {"loss": loss, "loss_config": identity["loss_config"], "train": identity["train"],
+                        "rollouts": identity["rollouts"], "records": len(rs), "steps": cfg.steps, "metrics": last,
+                        "init": init}
+            save_drafter(path, final, binding, training=_json(training), overwrite=True)
+    return TrainResult(out=out, start_step=start, step=end, finished=finished, drafter_path=path, metrics=last,
+                       params=params)

@@ -1,0 +1,92 @@
+"""The train step: loss and gradients of the objective, one optimizer update, as one jitted program.
+
+The train state is a plain dict (what Orbax saves and restores)::
+
+    step       int32 []     optimizer steps taken
+    params     the drafter's parameters as a pure dict (``nnx.to_pure_dict``)
+    opt_state  Optax state (its count drives the learning-rate schedule)
+
+The step is a pure function of ``(state, head, batch)``: the drafter's graph definition is
+static (``nnx.split`` outside, ``nnx.merge`` inside, as the Flax performance guide advises),
+the state is donated (updated in place), the target head is a frozen argument, and there is no
+randomness inside (anchors are drawn by the data pipeline), so equal inputs give bitwise equal
+outputs — the basis of exact resume. With the mesh's shardings (``parallel.py``) the batch is
+split over ``data`` and the gradient mean over the global batch is an all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.train.batches import TrainBatch
+from treespark_jax.train.losses import LossConfig
+from treespark_jax.train.objective import objective
+from treespark_jax.train.parallel import batch_sharding, replicated
+
+__all__ = ["TrainStep", "init_state"]
+
+
+def init_state(drafter: BlockDrafter, tx: optax.GradientTransformation) -> tuple[Any, dict[str, Any]]:
+    """``(graphdef, state)`` of a fresh run: step 0, the drafter's parameters, ``tx.init`` of them."""
+    graphdef, variables = nnx.split(drafter)
+    params = nnx.to_pure_dict(variables)
+    return graphdef, {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """The jitted programs of one training run.
+
+    Attributes:
+      graphdef: the drafter's graph definition (``nnx.split``).
+      tx: the optimizer.
+      loss: loss name (``losses.LOSSES``).
+      loss_cfg: loss weights.
+      rule: verify rule of the logged trees (``treespark``), else ``None``.
+      mesh: the data mesh.
+    """
+
+    graphdef: Any
+    tx: optax.GradientTransformation
+    loss: str
+    loss_cfg: LossConfig
+    rule: str | None
+    mesh: Mesh
+
+    def loss_and_grads(self, params, head: TargetHead, batch: TrainBatch):
+        """``((loss, metrics), grads)`` of the objective, pure (trace it under ``jax.jit``)."""
+        def loss_fn(p):
+            return objective(nnx.merge(self.graphdef, p), head, batch, loss=self.loss, cfg=self.loss_cfg,
+                             rule=self.rule)
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    def update(self, state: dict[str, Any], head: TargetHead, batch: TrainBatch):
+        """One optimizer step: ``(new state, metrics)``; metrics add ``grad_norm`` (before clipping)
+        and ``tokens`` / ``response_tokens`` (real and response tokens in the global batch)."""
+        (_, metrics), grads = self.loss_and_grads(state["params"], head, batch)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads), tokens=jnp.sum(batch.lengths),
+                       response_tokens=jnp.sum(batch.loss_mask))
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    def jitted(self) -> Callable:
+        """``update`` compiled for the mesh: ``(state, head, batch) → (state, metrics)``, the state
+        donated and replicated, the batch split over ``data``."""
+        repl = replicated(self.mesh)
+        return jax.jit(self.update, donate_argnums=0, in_shardings=(repl, repl, batch_sharding(self.mesh)),
+                       out_shardings=(repl, repl))
+
+    def jitted_grads(self) -> Callable:
+        """``loss_and_grads`` compiled for the mesh (gradients replicated): for checks."""
+        repl = replicated(self.mesh)
+        return jax.jit(self.loss_and_grads, in_shardings=(repl, repl, batch_sharding(self.mesh)),
+                       out_shardings=repl)
