@@ -1,0 +1,53 @@
+"""Command line: ``treespark {generate, models, profile, rollout, eval-drafter, train}``.
+
+- ``generate``: one reply to a prompt with any decoding method (``generate.py``).
+- ``models {list, fetch}``: the offline model presets and their cache (``models.py``).
+- ``profile``: measure verify and draft cost on this device, store the cost model (``profile.py``).
+- ``rollout``: log the target's answers and per-token features for training (``rollout.py``).
+- ``eval-drafter``: offline τ of a drafter on held-out rollouts (``eval_drafter.py``).
+- ``train``: train a block drafter on rollouts (``train.py``).
+
+Each command module has ``add_parser(sub)`` and ``run(args)``; heavy imports (the API, the
+models, the training loop) happen inside ``run``. Errors a user can cause (bad flags, unknown
+preset, a prompt longer than the context, a corrupt download) are printed as one sentence on
+stderr with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from treespark_jax.cli import eval_drafter, generate, models, profile, rollout, train
+
+_COMMANDS = {"generate": generate, "models": models, "profile": profile, "rollout": rollout,
+             "eval-drafter": eval_drafter, "train": train}  # in the order of ``--help``
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="treespark",
+        description="Lossless tree speculative decoding with a learned block drafter (JAX/Flax).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in _COMMANDS.values():
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``treespark`` command; returns the exit status.
+
+    Args:
+      argv: the arguments after the program name (default ``sys.argv[1:]``).
+
+    Returns:
+      0 on success, 2 when a command raised ``ValueError`` (its message goes to stderr as
+      ``treespark: error: ...``). Bad flags exit 2 through argparse (``SystemExit``).
+    """
+    args = _parser().parse_args(argv)
+    try:
+        _COMMANDS[args.command].run(args)
+    except ValueError as e:  # user errors (AssetError is a ValueError too)
+        print(f"treespark: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,23 @@
+"""Flags shared by the commands that load a target: ``--preset`` or ``--target``, and ``--dtype``."""
+
+from __future__ import annotations
+
+import argparse
+
+from treespark_jax.models.presets import DEFAULT_PRESET, PRESETS
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """Adds ``--preset NAME`` | ``--target PATH`` (mutually exclusive) and ``--dtype`` to ``p``."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--preset", default=None,
+                       help=f"offline preset ({', '.join(PRESETS)}; default {DEFAULT_PRESET})")
+    group.add_argument("--target", default=None, metavar="PATH",
+                       help="a GGUF file or a Hugging Face directory (config.json + *.safetensors)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"),
+                   help="compute dtype (float32 on CPU, bfloat16 on GPU/TPU)")
+
+
+def target_name(args: argparse.Namespace) -> str:
+    """The target the user asked for: ``--target``, else ``--preset``, else the default preset."""
+    return args.target or args.preset or DEFAULT_PRESET

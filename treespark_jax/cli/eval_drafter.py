@@ -1,0 +1,66 @@
+"""``treespark eval-drafter``: offline τ of a drafter on held-out rollouts (no target forward)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from treespark_jax.config import BUILDERS
+from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Adds the ``eval-drafter`` command to ``sub``."""
+    ev = sub.add_parser(
+        "eval-drafter", help="offline τ of a drafter on held-out rollouts (no target forward)",
+        description="Expected chain τ (1 + Σ_j Π_{i≤j} α_i, α = 1 − ½‖q − p‖₁) and, for greedy rollouts, "
+                    "the tree τ of a builder (1 + the longest gold prefix contained in its tree).")
+    ev.add_argument("--drafter", required=True, metavar="PATH", help="drafter checkpoint directory")
+    ev.add_argument("--rollouts", required=True, nargs="+", metavar="DIR", help="held-out rollout directories")
+    ev.add_argument("--method", default="treespark", choices=DRAFTER_METHODS,
+                    help="recipe whose tree shape is evaluated (builder, branch, depth)")
+    ev.add_argument("--builder", default=None, choices=BUILDERS, help="override the recipe's builder")
+    ev.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="tree budget N (0: chain τ only)")
+    ev.add_argument("--anchors", type=int, default=32, help="anchors per rollout (seeded)")
+    ev.add_argument("--batch", type=int, default=4, help="rollouts per evaluation batch")
+    ev.add_argument("--json-out", default=None, metavar="FILE", help="also write the metrics as JSON")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Prints chain τ, tree τ (greedy rollouts, ``--budget`` > 0) and α per depth; optionally writes JSON.
+
+    Raises:
+      ValueError: ``--anchors`` or ``--batch`` below 1, tree τ asked of sampled (temp > 0) rollouts;
+        the drafter and rollout readers raise it for a bad path or rollouts of another target.
+    """
+    from pathlib import Path
+
+    from treespark_jax.api import load
+    from treespark_jax.drafter.checkpoint import TargetBinding, read_meta
+    from treespark_jax.drafter.model import TargetHead
+    from treespark_jax.train.evaluate import evaluate_drafter, rollout_batches
+    from treespark_jax.train.rollouts import open_rollouts
+
+    for name in ("anchors", "batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)} must be at least 1.")
+    meta = read_meta(args.drafter)  # a bad path fails before the target loads
+    lm = load(meta.binding.name)
+    drafter = lm.drafter(args.method, args.drafter)
+    rollouts = open_rollouts(args.rollouts, expect=TargetBinding.of(lm.target), layer_ids=drafter.cfg.target_layer_ids)
+    tree = None
+    if args.budget:
+        temps = {m["identity"].get("temp") for m in rollouts.manifests}
+        if temps != {0.0}:
+            raise ValueError(f"tree τ needs greedy (temp 0) rollouts, not temperatures {sorted(temps)}; pass --budget 0.")
+        tree = lm.speculation(args.method, args.budget, drafter=drafter, builder=args.builder).tree
+    result = evaluate_drafter(drafter, TargetHead.of(lm.target.model, drafter.dtype),
+                              rollout_batches(rollouts, batch=args.batch, n_anchors=args.anchors), tree)
+    result.update(drafter=str(Path(args.drafter).resolve()), rollouts=[str(Path(d).resolve()) for d in args.rollouts],
+                  builder=tree.builder if tree else None, budget=args.budget)
+    print(f"{'blocks':<10} {result['blocks']}\n{'chain τ':<10} {result['chain_tau']:.3f}")
+    if tree is not None:
+        print(f"{'tree τ':<10} {result['tree_tau']:.3f}  ({tree.builder}, budget {tree.budget})")
+    print(f"{'α/depth':<10} " + " ".join(f"{a:.2f}" for a in result["alpha"]))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))

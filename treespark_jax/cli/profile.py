@@ -1,0 +1,49 @@
+"""``treespark profile``: measure verify and draft cost on this device and store the cost model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from treespark_jax.cli.common import add_target_args, target_name
+from treespark_jax.methods import DEFAULT_BUDGET
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Adds the ``profile`` command to ``sub``."""
+    prof = sub.add_parser(
+        "profile", help="measure verify and draft cost on this device and store the cost model",
+        description="Measure the target's verify latency for each ladder rung of --budget and of "
+                    "its halvings at each context length, and the draft cost of a round "
+                    "(block drafter + tree build), on JAX's default device at batch 1; fit the "
+                    "monotone convex cost model of the cost-aware stop and store it as JSON under "
+                    "the cache (profiles/<device kind>/<target id>.json) unless --out is given.")
+    add_target_args(prof)
+    prof.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                      help="tree budget N: rows profiled are rung + 1 for the default ladders of N, N/2, ... 1")
+    prof.add_argument("--contexts", default="64,256,1024",
+                      help="comma-separated ascending context lengths (key positions, tokens)")
+    prof.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
+    prof.add_argument("--out", default=None, metavar="FILE", help="write the profile here instead")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Prints the cost table and writes the profile JSON (its path goes to stderr).
+
+    Raises:
+      ValueError: bad ``--budget``, ``--contexts`` or ``--repeats`` (checked before the target loads),
+        or a target the loader rejects.
+    """
+    from treespark_jax.bench.profile import check_profile_args, cost_table, parse_contexts, profile_cost
+    from treespark_jax.decode.cost_model import profile_path, save_cost_model, target_id
+    from treespark_jax.models.load import load_target
+
+    contexts = parse_contexts(args.contexts)
+    check_profile_args(args.budget, contexts, args.repeats)  # before the slow load
+    name = target_name(args)
+    target = load_target(name, args.dtype)
+    cost = profile_cost(target.model, target=target_id(name, args.dtype), budget=args.budget,
+                        contexts=contexts, repeats=args.repeats, progress=True)
+    print(cost_table(cost))
+    path = save_cost_model(cost, args.out or profile_path(cost.device, cost.target))
+    print(f"wrote {path}", file=sys.stderr)

@@ -1,0 +1,86 @@
+"""``treespark rollout``: log the target's answers and per-token features for drafter training."""
+
+from __future__ import annotations
+
+import argparse
+
+from treespark_jax.cli.common import add_target_args, target_name
+from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Adds the ``rollout`` command to ``sub``."""
+    ro = sub.add_parser(
+        "rollout", help="log the target's answers and per-token features for drafter training",
+        description="The target answers each prompt's first user turn (batched; speculatively with "
+                    "--drafter) and every record stores the tokens, the response loss mask, the "
+                    "selected-layer features and the final-norm hidden state per token (bfloat16), in "
+                    "ArrayRecord shards with a manifest.json under --out. Re-running the same command "
+                    "resumes an interrupted run without duplicating or losing records.")
+    add_target_args(ro)
+    ro.add_argument("--prompts", required=True, metavar="SET|FILE",
+                    help="prompt set (humaneval, gsm8k, mtbench) or a JSONL file with a \"prompt\" per line")
+    ro.add_argument("--split", default=None, choices=("train", "eval", "all"),
+                    help="split of a prompt set (default train); a JSONL file is always used whole")
+    ro.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
+    ro.add_argument("--out", required=True, metavar="DIR",
+                    help="rollout directory (created; one holding a manifest is resumed)")
+    ro.add_argument("--max-new-tokens", type=int, default=256, help="cap on response tokens per prompt")
+    ro.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    ro.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    ro.add_argument("--seed", type=int, default=0, help="base seed (each prompt's seed derives from it)")
+    ro.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch and per shard")
+    ro.add_argument("--drafter", default=None, metavar="PATH",
+                    help="generate speculatively with this drafter checkpoint (or 'random')")
+    ro.add_argument("--method", default="treespark", choices=DRAFTER_METHODS,
+                    help="speculative method used with --drafter")
+    ro.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="tree budget N with --drafter")
+    ro.add_argument("--layer-ids", default=None, metavar="IDS",
+                    help="comma-separated target layers of the stored features (default: the drafter's, "
+                         "else the default ids for the target)")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Writes (or resumes) the rollout directory and prints a summary table.
+
+    Raises:
+      ValueError: ``--limit`` below 1 or ``--layer-ids`` that are not integers; the prompt loader
+        (before the target loads), the target loader and the rollout writer raise it for their bad input.
+    """
+    from pathlib import Path
+
+    from treespark_jax.api import load
+    from treespark_jax.train.prompts import DEFAULT_EVAL_SIZE, PROMPT_SETS, load_prompts
+    from treespark_jax.train.rollout_run import RolloutSettings, write_rollouts
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit {args.limit} must be at least 1.")
+    try:
+        layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
+    except ValueError:
+        raise ValueError(f"--layer-ids {args.layer_ids!r} must be comma-separated integers, e.g. 1,8,14.") from None
+    is_set = args.prompts in PROMPT_SETS
+    split = args.split or ("train" if is_set else None)
+    prompts = load_prompts(args.prompts, split)[: args.limit]  # before the slow target load
+    source = {"source": args.prompts if is_set else str(Path(args.prompts).resolve()), "split": split,
+              "split_seed": 0, "eval_size": DEFAULT_EVAL_SIZE if is_set else None}
+    lm = load(target_name(args), args.dtype)
+    spec, method, budget, drafter_id = None, "ar", None, None
+    if args.drafter:
+        spec = lm.speculation(args.method, args.budget, drafter=args.drafter)
+        layer_ids = layer_ids or list(lm.drafter(args.method, args.drafter).cfg.target_layer_ids)
+        method, budget = args.method, args.budget
+        drafter_id = args.drafter if args.drafter == "random" else str(Path(args.drafter).resolve())
+    settings = RolloutSettings(max_new_tokens=args.max_new_tokens, temp=args.temp, top_p=args.top_p,
+                               seed=args.seed, batch_size=args.batch_size, method=method, budget=budget,
+                               drafter=drafter_id)
+    run = write_rollouts(lm.target, prompts, args.out, settings=settings, layer_ids=layer_ids, spec=spec,
+                         engine=lm.engine, source=source)
+    m = run.manifest
+    rows = [("directory", str(Path(args.out).resolve())),
+            ("records", f"{m['records']} ({run.written_records} written now, {run.skipped} already done)"),
+            ("tokens", f"{m['tokens']} ({m['response_tokens']} response)"),
+            ("size", f"{m['bytes'] / 1e6:.1f} MB in {len(m['shards'])} shards"),
+            ("layer ids", ", ".join(map(str, m["layer_ids"]))),
+            ("seconds", f"generate {run.generate_s:.1f}, features {run.features_s:.1f}, write {run.write_s:.1f}")]
+    print("\n".join(f"{k:<10} {v}" for k, v in rows))

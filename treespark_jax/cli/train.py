@@ -1,0 +1,86 @@
+"""``treespark train``: train a block drafter on rollouts (AdamW, data parallel, resumable)."""
+
+from __future__ import annotations
+
+import argparse
+
+from treespark_jax.cli.common import add_target_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Adds the ``train`` command to ``sub``; its defaults are those of ``config.TrainConfig``."""
+    from treespark_jax.config import TrainConfig
+    from treespark_jax.train.losses import LOSSES
+    d = TrainConfig()
+    tr = sub.add_parser(
+        "train", help="train a block drafter on rollouts (AdamW, data parallel, resumable)",
+        description="Train a block drafter with Optax on rollout directories: several anchors per "
+                    "sequence packed in one forward, AdamW with warm-up, cosine decay and gradient "
+                    "clipping, data parallel over the devices of a `data` mesh axis. Checkpoints "
+                    "(model, optimizer, step, data iterator) go to OUT/checkpoints; re-running the same "
+                    "command resumes exactly. Metrics go to the console, OUT/metrics.jsonl and "
+                    "TensorBoard (OUT/tb); the trained drafter to OUT/drafter. The target (only its "
+                    "embedding and LM head are used) defaults to the one the rollouts were made with. "
+                    "Multi-host: set "
+                    "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (or "
+                    "TREESPARK_DISTRIBUTED=1 on TPU pods/Slurm) and run the same command on every host.")
+    add_target_args(tr)
+    tr.add_argument("--rollouts", required=True, nargs="+", metavar="DIR", help="rollout directories")
+    tr.add_argument("--loss", required=True, metavar="NAME", help=f"training loss ({', '.join(LOSSES)})")
+    tr.add_argument("--out", required=True, metavar="DIR", help="run directory (one holding run.json is resumed)")
+    tr.add_argument("--steps", type=int, default=d.steps, help="optimizer steps of the whole run")
+    tr.add_argument("--batch", type=int, default=d.batch, help="global batch in sequences per step")
+    tr.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    tr.add_argument("--warmup", type=int, default=None, help="warm-up steps (default min(100, steps/10))")
+    tr.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr of the cosine")
+    tr.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (matrices)")
+    tr.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
+    tr.add_argument("--seed", type=int, default=d.seed, help="data order, anchors and initialisation")
+    tr.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (longer ones are cut)")
+    tr.add_argument("--anchors", type=int, default=d.anchors, help="blocks per sequence, packed in one forward")
+    tr.add_argument("--trees", type=int, default=d.trees, help="logged trees per sequence (treespark loss)")
+    tr.add_argument("--block-size", type=int, default=None, help="drafter block size γ (default 8)")
+    tr.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers, 1-5 (default 1)")
+    tr.add_argument("--init", default=None, metavar="PATH", help="start from this drafter checkpoint")
+    tr.add_argument("--mesh", default=None, metavar="data=N", help="devices on the data axis (default all)")
+    tr.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint interval in steps")
+    tr.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
+    tr.add_argument("--log-every", type=int, default=d.log_every, help="metrics interval in steps")
+    tr.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                    help="stop after this step (checkpointed) without finishing; re-run to resume")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar or per-step lines")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Trains (or resumes) the run under ``--out`` and prints a summary table.
+
+    Raises:
+      ValueError: ``--steps``, ``--batch`` or ``--anchors`` below 1, a bad ``--mesh``; the training
+        loop raises it for an unknown loss, unusable rollouts or a run directory of other settings.
+    """
+    from treespark_jax.config import TrainConfig
+    from treespark_jax.runtime import enable_compilation_cache
+    from treespark_jax.train.loop import train
+    from treespark_jax.train.parallel import maybe_initialize_distributed, parse_mesh
+
+    maybe_initialize_distributed()  # before any JAX computation
+    for flag in ("steps", "batch", "anchors"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} {getattr(args, flag)} must be at least 1.")
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
+                      min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,
+                      seed=args.seed, seq_len=args.seq_len, anchors=args.anchors, trees=args.trees,
+                      save_every=args.save_every, keep=args.keep, log_every=args.log_every)
+    fields = {k: v for k, v in (("block_size", args.block_size), ("n_layers", args.drafter_layers)) if v is not None}
+    mesh_size = parse_mesh(args.mesh)
+    enable_compilation_cache()
+    r = train(args.rollouts, args.loss, args.out, cfg, target=args.target or args.preset, dtype=args.dtype,
+              drafter_fields=fields, init=args.init, mesh_size=mesh_size, stop_after=args.stop_after,
+              progress=not args.quiet)
+    m = r.metrics
+    rows = [("run", str(r.out)), ("steps", f"{r.start_step} → {r.step} of {cfg.steps}"),
+            ("loss", f"{m['loss']:.4f}" if "loss" in m else "-"),
+            ("τ (chain)", f"{m['tau']:.3f}" if "tau" in m else "-"),
+            ("α/depth", " ".join(f"{a:.2f}" for a in m.get("alpha", [])) or "-"),
+            ("drafter", str(r.drafter_path) if r.finished else "not yet (resume with the same command)")]
+    print("\n".join(f"{k:<10} {v}" for k, v in rows))
