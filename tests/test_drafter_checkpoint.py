@@ -13,7 +13,6 @@ import pytest
 from flax import nnx
 
 from treespark_jax.config import DrafterConfig
-from treespark_jax.drafter import checkpoint as ckpt
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, read_meta, save_drafter
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.models.load import Target

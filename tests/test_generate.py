@@ -1,8 +1,6 @@
 """Autoregressive generation: greedy equals a cache-free reference, EOS, caps, compiles, errors."""
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from treespark_jax.decode import engine as engine_mod

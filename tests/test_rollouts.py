@@ -20,9 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import save_file
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 from treespark_jax.cli import main
 from treespark_jax.config import default_layer_ids
@@ -37,42 +34,14 @@ from treespark_jax.train.prompts import load_prompts, prompt_ids
 from treespark_jax.train.rollouts import (MANIFEST, RolloutError, RolloutSettings, RolloutWriter, TreeLog,
                                           decode_record, encode_record, make_record, open_rollouts, write_rollouts)
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
-          "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+from tiny import CHATML, write_tiny_hf_target
+
 PROMPTS = ["Add 2 and 3.", "Name a tree.", "Say hi.", "Count to 4."]
 SETTINGS = RolloutSettings(max_new_tokens=8, batch_size=2)
-LAYERS = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj",
-              wo="self_attn.o_proj", mlp_norm="post_attention_layernorm", w_gate="mlp.gate_proj",
-              w_up="mlp.up_proj", w_down="mlp.down_proj")
-
-
 def write_tiny_target(path: Path, seed: int = 0) -> Path:
-    """An 8-layer Llama HF directory: 256 byte tokens + 3 specials, weights of std 0.3."""
-    path.mkdir(parents=True)
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": CHATML}))
-    d, f, layers = 48, 80, 8
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": len(vocab), "hidden_size": d, "num_hidden_layers": layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": f,
-        "rms_norm_eps": 1e-5, "rope_theta": 5000.0, "max_position_embeddings": 512, "tie_word_embeddings": True}))
-    rng = np.random.default_rng(seed)
-    shapes = dict(attn_norm=(d,), wq=(64, d), wk=(32, d), wv=(32, d), wo=(d, 64), mlp_norm=(d,), w_gate=(f, d),
-                  w_up=(f, d), w_down=(d, f))  # PyTorch [out, in]
-    tensors = {"model.embed_tokens.weight": 0.3 * rng.standard_normal((len(vocab), d)),
-               "model.norm.weight": 1 + 0.1 * rng.standard_normal(d)}
-    for i in range(layers):
-        for name, shape in shapes.items():
-            value = 1 + 0.1 * rng.standard_normal(shape) if "norm" in name else 0.3 * rng.standard_normal(shape)
-            tensors[f"model.layers.{i}.{LAYERS[name]}.weight"] = value
-    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(path / "model.safetensors"))
-    return path
+    """An 8-layer Llama HF directory of width 48 with a ChatML template (``tiny.write_tiny_hf_target``)."""
+    return write_tiny_hf_target(path, layers=8, d=48, mlp=80, head_dim=16, max_positions=512, chat_template=CHATML,
+                                seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
-from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 from treespark_jax.cli import main
 from treespark_jax.config import TrainConfig
@@ -31,43 +28,18 @@ from treespark_jax.train.data import data_iterator, train_dataset
 from treespark_jax.train.rollout_run import target_features
 from treespark_jax.train.rollouts import RolloutWriter, TreeLog, make_record, open_rollouts
 
+from tiny import write_tiny_hf_target
+
 REPO = Path(__file__).resolve().parents[1]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LAYER_IDS = (1, 2)
-HF_LAYERS = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj", wv="self_attn.v_proj",
-                 wo="self_attn.o_proj", mlp_norm="post_attention_layernorm", w_gate="mlp.gate_proj",
-                 w_up="mlp.up_proj", w_down="mlp.down_proj")
 # Small shapes shared by every run (seconds per compile on 2 cores).
 TRAIN_ARGS = ["--seq-len", "40", "--anchors", "3", "--batch", "4", "--block-size", "4", "--lr", "3e-3",
               "--warmup", "1", "--log-every", "1", "--quiet"]
 
 
 def write_tiny_target(path: Path, seed: int = 0) -> Path:
-    """A 4-layer Llama HF directory: 256 byte tokens + 3 specials, width 32, weights of std 0.3."""
-    path.mkdir(parents=True)
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    d, f, layers = 32, 64, 4
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": len(vocab), "hidden_size": d, "num_hidden_layers": layers,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": f,
-        "rms_norm_eps": 1e-5, "rope_theta": 5000.0, "max_position_embeddings": 256, "tie_word_embeddings": True}))
-    rng = np.random.default_rng(seed)
-    shapes = dict(attn_norm=(d,), wq=(32, d), wk=(16, d), wv=(16, d), wo=(d, 32), mlp_norm=(d,), w_gate=(f, d),
-                  w_up=(f, d), w_down=(d, f))  # PyTorch [out, in]
-    tensors = {"model.embed_tokens.weight": 0.3 * rng.standard_normal((len(vocab), d)),
-               "model.norm.weight": 1 + 0.1 * rng.standard_normal(d)}
-    for i in range(layers):
-        for name, shape in shapes.items():
-            value = 1 + 0.1 * rng.standard_normal(shape) if "norm" in name else 0.3 * rng.standard_normal(shape)
-            tensors[f"model.layers.{i}.{HF_LAYERS[name]}.weight"] = value
-    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(path / "model.safetensors"))
-    return path
+    """A 4-layer Llama HF directory of width 32 (``tiny.write_tiny_hf_target``)."""
+    return write_tiny_hf_target(path, layers=4, d=32, mlp=64, head_dim=8, max_positions=256, seed=seed)
 
 
 def _trees(tokens: np.ndarray, prompt_len: int, d: int, rng: np.random.Generator) -> TreeLog:

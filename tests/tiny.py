@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import jax.numpy as jnp
+import numpy as np
 
 from treespark_jax.config import ModelConfig
 from treespark_jax.models.decoder import Decoder
@@ -49,3 +53,47 @@ def hf_model(family: str, seed: int = 0):
             else:
                 p.normal_(1.0, 0.2)
     return model
+
+
+HF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+HF_LAYER_NAMES = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj",
+                      wv="self_attn.v_proj", wo="self_attn.o_proj", mlp_norm="post_attention_layernorm",
+                      w_gate="mlp.gate_proj", w_up="mlp.up_proj", w_down="mlp.down_proj")
+
+
+def write_tiny_hf_target(path: Path, *, layers: int, d: int, mlp: int, head_dim: int, max_positions: int,
+                         chat_template: str | None = None, seed: int = 0) -> Path:
+    """A random Llama Hugging Face directory (4 query / 2 KV heads, weights of std 0.3) with a
+    byte-level tokenizer: 3 specials + 256 byte tokens, ``<|im_end|>`` as EOS."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    path.mkdir(parents=True)
+    vocab = {t: i for i, t in enumerate(HF_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(HF_SPECIALS)
+    backend.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>"} | ({"chat_template": chat_template} if chat_template else {})
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": len(vocab), "hidden_size": d, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim, "intermediate_size": mlp,
+        "rms_norm_eps": 1e-5, "rope_theta": 5000.0, "max_position_embeddings": max_positions,
+        "tie_word_embeddings": True}))
+    rng = np.random.default_rng(seed)
+    q, kv = 4 * head_dim, 2 * head_dim
+    shapes = dict(attn_norm=(d,), wq=(q, d), wk=(kv, d), wv=(kv, d), wo=(d, q), mlp_norm=(d,), w_gate=(mlp, d),
+                  w_up=(mlp, d), w_down=(d, mlp))  # PyTorch [out, in]
+    tensors = {"model.embed_tokens.weight": 0.3 * rng.standard_normal((len(vocab), d)),
+               "model.norm.weight": 1 + 0.1 * rng.standard_normal(d)}
+    for i in range(layers):
+        for name, shape in shapes.items():
+            value = 1 + 0.1 * rng.standard_normal(shape) if "norm" in name else 0.3 * rng.standard_normal(shape)
+            tensors[f"model.layers.{i}.{HF_LAYER_NAMES[name]}.weight"] = value
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
