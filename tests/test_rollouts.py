@@ -38,6 +38,8 @@ from tiny import CHATML, write_tiny_hf_target
 
 PROMPTS = ["Add 2 and 3.", "Name a tree.", "Say hi.", "Count to 4."]
 SETTINGS = RolloutSettings(max_new_tokens=8, batch_size=2)
+
+
 def write_tiny_target(path: Path, seed: int = 0) -> Path:
     """An 8-layer Llama HF directory of width 48 with a ChatML template (``tiny.write_tiny_hf_target``)."""
     return write_tiny_hf_target(path, layers=8, d=48, mlp=80, head_dim=16, max_positions=512, chat_template=CHATML,
