@@ -183,3 +183,21 @@ def _truncate_params(path: Path):
     assert data
     for f in data:
         f.write_bytes(f.read_bytes()[:10])
+
+
+def test_warm_start_copies_shared_parameters_and_keeps_new_heads_fresh():
+    """A treespark drafter (edge head) started from a dspark one (confidence head)."""
+    from treespark_jax.drafter.checkpoint import warm_start
+    from treespark_jax.methods import drafter_config
+
+    cfg = tiny_config()
+    fields = dict(target_layer_ids=(0, 2), pool_size=16, markov_rank=4)
+    source = BlockDrafter(drafter_config("dspark", cfg, **fields), cfg, rngs=nnx.Rngs(1), std=0.3)
+    drafter = BlockDrafter(drafter_config("treespark", cfg, **fields), cfg, rngs=nnx.Rngs(2), std=0.3)
+    edge_before = np.asarray(drafter.edge.scale[...])
+    copied = warm_start(drafter, source)
+    assert copied == len(nnx.to_flat_state(nnx.state(source))) - 2  # all but the confidence head's w, b
+    np.testing.assert_array_equal(drafter.fc[...], source.fc[...])
+    np.testing.assert_array_equal(drafter.markov.child[...], source.markov.child[...])
+    np.testing.assert_array_equal(drafter.layers[0].arrays(cfg)["wq"], source.layers[0].arrays(cfg)["wq"])
+    np.testing.assert_array_equal(drafter.edge.scale[...], edge_before)

@@ -245,3 +245,20 @@ def load_drafter(path: str | Path, target: Target | TargetBinding, *, dtype=None
         raise ValueError(f"drafter checkpoint {path} has missing or corrupt parameters ({reason}).") from e
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state), meta
+
+
+def warm_start(drafter: BlockDrafter, source: BlockDrafter) -> int:
+    """Copies into ``drafter`` every parameter ``source`` has at the same path with the same shape.
+
+    Used to start a drafter of another recipe from a trained one (a ``treespark`` drafter with an
+    edge head from a ``dspark`` one with a confidence head): the backbone and shared heads carry
+    over, parameters ``source`` lacks keep their fresh initialisation.
+
+    Returns:
+      The number of parameter arrays copied.
+    """
+    fresh = nnx.to_flat_state(nnx.state(drafter))
+    loaded = dict(nnx.to_flat_state(nnx.state(source)))
+    keep = [(k, loaded[k] if k in loaded and loaded[k].shape == v.shape else v) for k, v in fresh]
+    nnx.update(drafter, nnx.from_flat_state(keep))
+    return sum(k in loaded and loaded[k].shape == v.shape for k, v in fresh)

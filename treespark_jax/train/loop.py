@@ -36,7 +36,7 @@ import optax
 from flax import nnx
 
 from treespark_jax.config import TrainConfig
-from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter
+from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter, warm_start
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.methods import drafter_config
 from treespark_jax.train.checkpointing import TrainCheckpoints
@@ -110,14 +110,22 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
 
 def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, init: str | None,
              fields: dict[str, Any], dtype, seed: int) -> BlockDrafter:
+    """A fresh drafter with ``loss``'s heads; with ``init``, every parameter the checkpoint shares
+    (same path and shape: backbone, Markov head, …) is copied from it, the rest stays fresh — so a
+    ``treespark`` drafter (edge head) can start from a ``dspark`` one (confidence head)."""
+    base = None
     if init is not None:
-        drafter, meta = load_drafter(init, binding, dtype=dtype)
+        base, meta = load_drafter(init, binding, dtype=dtype)
         if meta.cfg.target_layer_ids != rollouts.layer_ids:
             raise ValueError(f"drafter {init} reads target layers {list(meta.cfg.target_layer_ids)} but the rollouts "
                              f"carry features of layers {list(rollouts.layer_ids)}.")
-        return drafter
+        shape = {k: getattr(meta.cfg, k) for k in ("n_layers", "block_size", "pool_size", "markov_rank")}
+        fields = {**shape, **fields}
     cfg = drafter_config(loss, target.cfg, **{"target_layer_ids": rollouts.layer_ids, **fields})
-    return BlockDrafter(cfg, target.cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+    drafter = BlockDrafter(cfg, target.cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+    if base is not None:
+        warm_start(drafter, base)
+    return drafter
 
 
 def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Path, cfg: TrainConfig = TrainConfig(),
