@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Trained drafters for the smollm2-135m preset (DESIGN.md §1.4, issue 6), stage by stage:
+#   1. rollouts of the target on the training prompts (HumanEval, GSM8K, MT-Bench train splits)
+#   2. a dflash drafter and a dspark drafter on the same data for the same steps
+#   3. on-policy rollouts with the dspark drafter (every verified tree logged)
+#   4. a treespark drafter warm-started from the dspark one, trained on the on-policy trees
+#   5. offline evaluation of all three on the held-out (eval) split
+# Every stage resumes where it stopped when the script is run again (rollouts skip finished
+# prompts, training resumes from its last checkpoint), so it can be run in pieces:
+#   experiments/train_drafters.sh [STAGE...]      e.g. `experiments/train_drafters.sh rollouts dspark`
+# Settings come from the environment (defaults below); outputs go to $DATA (gitignored).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-.venv/bin/python}
+DATA=${DATA:-experiments/data}
+LIMIT=${LIMIT:-192}            # training prompts per set (GSM8K has 1,287; HumanEval 132; MT-Bench 48)
+NEW=${NEW:-128}                # new tokens per rollout
+STEPS=${STEPS:-600}            # optimizer steps per drafter
+BATCH=${BATCH:-8}              # sequences per step
+SEQ=${SEQ:-384}                # tokens per sequence (prompt + response, longer ones are cut)
+ANCHORS=${ANCHORS:-16}         # gold-chain blocks per sequence
+BUDGET=${BUDGET:-16}           # tree budget of the on-policy rollouts
+SETS="gsm8k humaneval mtbench"
+T="$PY -m treespark_jax.cli"
+TRAIN_ARGS="--steps $STEPS --batch $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
+
+plain() { for s in $SETS; do echo "$DATA/rollouts-$s-$1"; done; }
+
+stage_rollouts() {
+  for s in $SETS; do
+    $T rollout --prompts "$s" --split train --limit "$LIMIT" --max-new-tokens "$NEW" --batch-size 16 \
+      --out "$DATA/rollouts-$s-train"
+    $T rollout --prompts "$s" --split eval --max-new-tokens "$NEW" --batch-size 16 --out "$DATA/rollouts-$s-eval"
+  done
+}
+stage_dflash() { $T train --rollouts $(plain train) --loss dflash $TRAIN_ARGS --out "$DATA/dflash"; }
+stage_dspark() { $T train --rollouts $(plain train) --loss dspark $TRAIN_ARGS --out "$DATA/dspark"; }
+stage_onpolicy() {
+  for s in $SETS; do
+    $T rollout --prompts "$s" --split train --limit "$LIMIT" --max-new-tokens "$NEW" --batch-size 16 \
+      --drafter "$DATA/dspark/drafter" --method pctree --budget "$BUDGET" --out "$DATA/onpolicy-$s-train"
+  done
+}
+stage_treespark() {
+  $T train --rollouts $(for s in $SETS; do echo "$DATA/onpolicy-$s-train"; done) --loss treespark --trees 4 \
+    --init "$DATA/dspark/drafter" $TRAIN_ARGS --out "$DATA/treespark"
+}
+stage_eval() {
+  for d in dflash:ddtree dspark:pctree treespark:treespark; do
+    $T eval-drafter --drafter "$DATA/${d%%:*}/drafter" --rollouts $(plain eval) --method "${d##*:}" \
+      --budget "$BUDGET" --json-out "$DATA/eval-${d%%:*}.json"
+  done
+}
+
+for stage in ${@:-rollouts dflash dspark onpolicy treespark eval}; do
+  echo "== $stage"
+  "stage_$stage"
+done
