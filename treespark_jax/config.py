@@ -65,6 +65,8 @@ class ModelConfig:
 
 
 BUILDERS: tuple[str, ...] = ("chain", "marginal", "parent_conditioned", "treespark")
+LOSSES: tuple[str, ...] = ("dflash", "dspark", "treespark")
+"""Drafter training losses (``train/losses.py``), named like the methods whose drafters they train."""
 VERIFY_RULES: tuple[str, ...] = ("match", "rejection")
 
 

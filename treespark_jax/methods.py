@@ -20,13 +20,14 @@ resolves ``--drafter PATH``).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from treespark_jax.config import DrafterConfig, ModelConfig, TreeConfig
-from treespark_jax.decode.engine import Speculation
-from treespark_jax.drafter.block_proposer import BlockProposer
-from treespark_jax.drafter.model import BlockDrafter
-from treespark_jax.drafter.prompt_lookup import PromptLookup
-from treespark_jax.models.decoder import Decoder
+
+if TYPE_CHECKING:  # the registry itself stays importable without JAX (the CLI's --help)
+    from treespark_jax.decode.engine import Speculation
+    from treespark_jax.drafter.model import BlockDrafter
+    from treespark_jax.models.decoder import Decoder
 
 DEFAULT_BUDGET = 8
 TREE_BRANCH = 4  # most children per node for the tree builders (ddtree, pctree, treespark)
@@ -111,6 +112,10 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
       ValueError: unknown method, builder or rule; a budget below 1; a drafter method without
         a drafter; or overrides given for ``ar``.
     """
+    from treespark_jax.decode.engine import Speculation
+    from treespark_jax.drafter.block_proposer import BlockProposer
+    from treespark_jax.drafter.prompt_lookup import PromptLookup
+
     r = recipe(method)
     if budget < 1:
         raise ValueError(f"budget={budget} must be at least 1 drafted node.")

@@ -9,8 +9,7 @@ from treespark_jax.cli.common import add_target_args
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Adds the ``train`` command to ``sub``; its defaults are those of ``config.TrainConfig``."""
-    from treespark_jax.config import TrainConfig
-    from treespark_jax.train.losses import LOSSES
+    from treespark_jax.config import LOSSES, TrainConfig
     d = TrainConfig()
     tr = sub.add_parser(
         "train", help="train a block drafter on rollouts (AdamW, data parallel, resumable)",

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+from treespark_jax.config import LOSSES
 from treespark_jax.train.chain_losses import (BlockAlignment, LossConfig, align_blocks, chain_acceptance,
                                               default_decay, dflash, dspark, expected_chain_tau, markov_logits)
 from treespark_jax.train.tree_losses import (TREE_RULES, LoggedTrees, VerifyTargets, coverage_threshold,
                                              tree_child_logits, tree_edge_logits, tree_terms, treespark,
                                              verify_targets)
 
-LOSSES: tuple[str, ...] = ("dflash", "dspark", "treespark")
-"""Drafter training losses, named like the methods whose drafters they train."""
 
 _FUNCTIONS: dict[str, Callable] = {"dflash": dflash, "dspark": dspark, "treespark": treespark}
 
