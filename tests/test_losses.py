@@ -285,3 +285,15 @@ def test_registry_and_config_errors():
         LossConfig(coverage_beta=0.0)
     with pytest.raises(ValueError, match="tree_edge"):
         LossConfig(tree_edge=-1.0)
+
+
+def test_loss_weights_flag_parses_into_loss_config_and_refuses_unknown_names():
+    from treespark_jax.cli.train import parse_loss_weights
+
+    assert parse_loss_weights(None) == LossConfig()
+    cfg = parse_loss_weights("chain_l1=0.5, tree_coverage=2")
+    assert (cfg.chain_l1, cfg.tree_coverage, cfg.chain_ce) == (0.5, 2.0, LossConfig().chain_ce)
+    with pytest.raises(ValueError, match="names 'tree_cov'; choose from"):
+        parse_loss_weights("tree_cov=1")
+    with pytest.raises(ValueError, match="chain_l1='x' is not a number"):
+        parse_loss_weights("chain_l1=x")

@@ -27,7 +27,7 @@ from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.checkpoint import TargetBinding, save_drafter
 from treespark_jax.drafter.model import BlockDrafter
-from treespark_jax.methods import drafter_config
+from treespark_jax.methods import drafter_config, speculation
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.models.load import load_target
 from treespark_jax.train.prompts import load_prompts, prompt_ids
@@ -400,3 +400,11 @@ def test_cli_eval_drafter_reports_offline_chain_and_tree_tau(tmp_path, baseline,
     assert len(result["alpha"]) == 4 and "tree τ" in capsys.readouterr().out
     assert main(["eval-drafter", "--drafter", str(path), "--rollouts", str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
+
+
+def test_on_policy_rollouts_refuse_top_p_below_one(tmp_path, target, prompts, engine):
+    spec = speculation("prompt_lookup", target.model, 4)
+    with pytest.raises(ValueError, match="top_p=1 only, not top_p=0.9"):
+        _write(target, prompts, engine, tmp_path / "r", spec=spec,
+               settings=RolloutSettings(max_new_tokens=8, batch_size=2, top_p=0.9))
+    assert not (tmp_path / "r").exists()

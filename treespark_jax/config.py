@@ -158,7 +158,8 @@ class DrafterConfig:
       pool_size: M, candidates per depth (the top-``M`` of the base logits ``U_j``).
       markov_rank: R of the Markov head ``A(t, x) = E[t] · W[:, x]`` (0 = no Markov head).
       confidence_head: has the DSpark confidence head ``c_j``.
-      edge_head: has the TreeSpark edge head (else the Proposal carries the identity Platt terms).
+      edge_head: has the TreeSpark edge head (else the Proposal carries the untrained head's
+        Platt terms ``a = 1``, ``w = 0``, ``b = 0``).
 
     Raises:
       ValueError: on an empty, repeated or negative layer id, ``n_layers`` outside 1–5, or a

@@ -13,7 +13,8 @@ Names follow the literature (DESIGN.md §4) so a row means what readers expect:
 | ``treespark`` | drafter with edge head, ``treespark`` loss | treespark | rejection | yes (edge head) |
 
 Greedy decoding (temp 0) always verifies with the greedy rule. ``builder`` and ``verify``
-override a recipe's parts for ablations; the drafter is passed by the caller (``api.load``
+override a recipe's parts for ablations (the ``treespark`` builder always brings its cost-aware
+stop); the drafter is passed by the caller (``api.load``
 resolves ``--drafter PATH``).
 """
 
@@ -135,5 +136,5 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     chain = builder == "chain"
     n = min(budget, gamma) if chain else budget
     tree = TreeConfig(budget=n, max_depth=min(n, gamma), branch=1 if chain else TREE_BRANCH,
-                      builder=builder, verify=verify, stop=r.stop and n > 1)
+                      builder=builder, verify=verify, stop=(r.stop or builder == "treespark") and n > 1)
     return Speculation(BlockProposer.create(drafter, target), tree)

@@ -40,7 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--trees", type=int, default=d.trees, help="logged trees per sequence (treespark loss)")
     tr.add_argument("--block-size", type=int, default=None, help="drafter block size γ (default 8)")
     tr.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers, 1-5 (default 1)")
-    tr.add_argument("--init", default=None, metavar="PATH", help="start from this drafter checkpoint")
+    tr.add_argument("--init", default=None, metavar="PATH",
+                    help="warm-start from this drafter checkpoint (shared parameters; new heads fresh)")
+    tr.add_argument("--loss-weights", default=None, metavar="K=V,...",
+                    help="loss term weights (train.losses.LossConfig fields), e.g. chain_l1=0.9,tree_coverage=0.5")
     tr.add_argument("--mesh", default=None, metavar="data=N", help="devices on the data axis (default all)")
     tr.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint interval in steps")
     tr.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
@@ -48,6 +51,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                     help="stop after this step (checkpointed) without finishing; re-run to resume")
     tr.add_argument("--quiet", action="store_true", help="no progress bar or per-step lines")
+
+
+def parse_loss_weights(text: str | None):
+    """``LossConfig`` from ``"field=value,..."`` (``None``: the defaults).
+
+    Raises:
+      ValueError: an unknown field or a value that is not a number (one sentence).
+    """
+    import dataclasses
+
+    from treespark_jax.train.losses import LossConfig
+
+    if not text:
+        return LossConfig()
+    names = {f.name for f in dataclasses.fields(LossConfig)}
+    values = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in names:
+            raise ValueError(f"--loss-weights names {key.strip()!r}; choose from {', '.join(sorted(names))}.")
+        try:
+            values[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--loss-weights {key.strip()}={value!r} is not a number.") from None
+    return LossConfig(**values)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -71,10 +99,11 @@ def run(args: argparse.Namespace) -> None:
                       seed=args.seed, seq_len=args.seq_len, anchors=args.anchors, trees=args.trees,
                       save_every=args.save_every, keep=args.keep, log_every=args.log_every)
     fields = {k: v for k, v in (("block_size", args.block_size), ("n_layers", args.drafter_layers)) if v is not None}
+    loss_cfg = parse_loss_weights(args.loss_weights)
     mesh_size = parse_mesh(args.mesh)
     enable_compilation_cache()
     r = train(args.rollouts, args.loss, args.out, cfg, target=args.target or args.preset, dtype=args.dtype,
-              drafter_fields=fields, init=args.init, mesh_size=mesh_size, stop_after=args.stop_after,
+              drafter_fields=fields, init=args.init, loss_cfg=loss_cfg, mesh_size=mesh_size, stop_after=args.stop_after,
               progress=not args.quiet)
     m = r.metrics
     rows = [("run", str(r.out)), ("steps", f"{r.start_step} → {r.step} of {cfg.steps}"),

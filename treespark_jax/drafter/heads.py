@@ -41,7 +41,10 @@ class MarkovHead(nnx.Module):
 
 
 class EdgeHead(nnx.Module):
-    """TreeSpark edge head, initialised as Platt's identity on ``log q`` (``a = 1``, ``w = 0``, ``b = 0``).
+    """TreeSpark edge head, initialised as Platt scaling of ``log q`` with ``a = 1``, ``w = 0``, ``b = 0``.
+
+    That start is not an identity: ``σ(log q) = q / (1 + q)`` under-estimates survival (at most
+    ½); training calibrates it.
 
     Args:
       block_size: P, one slope ``a_j`` per slot.
@@ -70,7 +73,8 @@ class EdgeHead(nnx.Module):
 
 def platt_identity_terms(batch: int, block_size: int, pool_size: int, vocab_size: int,
                          dtype) -> dict[str, jax.Array]:
-    """Edge terms of a drafter without an edge head: ``a = 1`` and every other term 0."""
+    """Edge terms of a drafter without an edge head: ``a = 1`` and every other term 0, so its edge
+    survival is ``σ(log q) = q / (1 + q)`` (the untrained edge head's start)."""
     return dict(edge_scale=jnp.ones((block_size,), dtype), edge_bias=jnp.zeros((batch, block_size), dtype),
                 edge_parent=jnp.zeros((vocab_size,), dtype),
                 edge_child=jnp.zeros((batch, block_size, pool_size), dtype))

@@ -12,7 +12,7 @@ single integer)::
 Element ``s`` of a process's dataset is its part of the global batch of step ``s``: rows
 ``p·L … (p + 1)·L − 1`` of the records ``s·B … (s + 1)·B − 1`` of the stream (``B`` global
 batch, ``L = B / processes``). The anchors (and logged trees) of record ``e`` are drawn with
-``np.random.default_rng([seed, e])``, so a global batch depends only on ``(seed, step)`` — not on
+``np.random.default_rng([seed, 1, e])``, so a global batch depends only on ``(seed, step)`` — not on
 the number of processes or devices, not on where a run was interrupted. The iterator's Grain
 state is ``{"next_index": step}`` on every process; checkpointing it (``checkpointing.py``)
 resumes the exact stream, with no batch repeated or skipped.

@@ -178,6 +178,9 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
         raise ValueError("prompt ids repeat, so finished prompts could not be told apart on resume.")
     if settings.batch_size < 1:
         raise ValueError(f"batch size {settings.batch_size} must be at least 1.")
+    if spec is not None and settings.top_p < 1:
+        raise ValueError(f"on-policy rollouts log trees for training at top_p=1 only, not top_p={settings.top_p} "
+                         "(the tree losses do not model the nucleus).")
     cfg = target.cfg
     layer_ids = _check_layer_ids(default_layer_ids(cfg.n_layers) if layer_ids is None else layer_ids, cfg.n_layers)
     binding = binding or TargetBinding.of(target)
