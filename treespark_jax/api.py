@@ -6,6 +6,9 @@ Example::
     lm = ts.load("smollm2-135m")
     result = lm.generate("Write a haiku about trees.", chat=True, max_new_tokens=64)
     print(result.text, result.stats.tokens_per_s)
+
+On a multi-device host, ``ts.load(..., mesh="data=2,model=4")`` splits batches over ``data``
+and the target's (and drafters') heads and MLP width over ``model`` (``sharding.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Iterator
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from treespark_jax.decode.cost_model import cost_model_for, current_device_kind, target_id
 from treespark_jax.decode.engine import Engine, GenerationStats, Speculation
@@ -24,6 +28,7 @@ from treespark_jax.models.load import Target, load_target
 from treespark_jax.models.presets import DEFAULT_PRESET
 from treespark_jax.models.tokenizer import StreamDecoder
 from treespark_jax.runtime import enable_compilation_cache
+from treespark_jax.sharding import MeshShape, make_mesh
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -45,14 +50,20 @@ class GenerationResult:
 
 
 class TreeSpark:
-    """A loaded target with its tokenizer, ready to generate. Create it with ``load``."""
+    """A loaded target with its tokenizer, ready to generate. Create it with ``load``.
 
-    def __init__(self, target: Target):
-        self.target = target
+    Args:
+      target: the loaded target.
+      mesh: the device mesh generation runs on (``None``: the default device).
+    """
+
+    def __init__(self, target: Target, mesh: Mesh | None = None):
         self.tokenizer = target.tokenizer
         dtype = jnp.dtype(target.model.dtype).name
         self.engine = Engine(target.model, target.tokenizer.stop_ids,
-                             cost=cost_model_for(current_device_kind(), target_id(target.name, dtype)))
+                             cost=cost_model_for(current_device_kind(), target_id(target.name, dtype)), mesh=mesh)
+        # The engine's model holds the weights on the mesh; keeping it (not the loaded copy) keeps one copy.
+        self.target = dataclasses.replace(target, model=self.engine.model)
         self._drafters: dict[str, BlockDrafter] = {}
 
     def drafter(self, method: str, drafter: str | BlockDrafter | None = None) -> BlockDrafter | None:
@@ -149,11 +160,21 @@ class TreeSpark:
             yield tail
 
 
-def load(preset_or_path: str = DEFAULT_PRESET, dtype: str = "float32") -> TreeSpark:
+def load(preset_or_path: str = DEFAULT_PRESET, dtype: str = "float32",
+         mesh: str | MeshShape | Mesh | None = None) -> TreeSpark:
     """Loads a target offline (preset name, GGUF file or HF directory) with the compile cache on.
 
+    Args:
+      preset_or_path: a preset name, a GGUF file or a Hugging Face directory.
+      dtype: compute dtype (float32 on CPU, bfloat16 on GPU/TPU).
+      mesh: the devices generation runs on: a ``Mesh`` or a ``--mesh`` string such as
+        ``"data=2,model=4"``; default every local device on ``data`` (with one device, the plain
+        single-device programs).
+
     Raises:
-      ValueError: unknown preset, missing or corrupt checkpoint (see ``load_target``).
+      ValueError: unknown preset, missing or corrupt checkpoint (see ``load_target``), or a mesh
+        the devices cannot form.
     """
     enable_compilation_cache()
-    return TreeSpark(load_target(preset_or_path, dtype))
+    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
+    return TreeSpark(load_target(preset_or_path, dtype), mesh)

@@ -22,6 +22,6 @@ R    Markov-head rank
 
 from __future__ import annotations
 
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
-__all__ = ["Array", "Bool", "Float", "Int", "PRNGKeyArray"]
+__all__ = ["Array", "Bool", "Float", "Int", "Key", "PRNGKeyArray"]

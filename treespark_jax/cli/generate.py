@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--builder", default=None, choices=BUILDERS, help="override the method's tree builder")
     gen.add_argument("--verify", default=None, choices=VERIFY_RULES,
                      help="override the method's verify rule at temp > 0")
+    gen.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                     help="devices per mesh axis, e.g. data=2,model=4: rows over data, the target's heads "
+                          "and MLP width over model (default: every local device on data)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (prompt, prompt_ids, token_ids, text, stats)")
 
@@ -41,11 +44,12 @@ def run(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: bad input found by ``api.load`` or ``generate`` (an unknown preset, a corrupt
-        download, a prompt longer than the context, bad sampling or tree settings, a bad drafter).
+        download, a bad ``--mesh``, a prompt longer than the context, bad sampling or tree
+        settings, a bad drafter).
     """
     from treespark_jax.api import load
 
-    lm = load(target_name(args), args.dtype)
+    lm = load(target_name(args), args.dtype, mesh=args.mesh)
     result = lm.generate(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                          temp=args.temp, top_p=args.top_p, seed=args.seed, method=args.method,
                          budget=args.budget, drafter=args.drafter, builder=args.builder, verify=args.verify)

@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "train", help="train a block drafter on rollouts (AdamW, data parallel, resumable)",
         description="Train a block drafter with Optax on rollout directories: several anchors per "
                     "sequence packed in one forward, AdamW with warm-up, cosine decay and gradient "
-                    "clipping, data parallel over the devices of a `data` mesh axis. Checkpoints "
+                    "clipping, on a device mesh (--mesh data=4,model=2: batch over `data`, the drafter's "
+                    "heads and MLP width over `model`; default every device on `data`). Checkpoints "
                     "(model, optimizer, step, data iterator) go to OUT/checkpoints; re-running the same "
                     "command resumes exactly. Metrics go to the console, OUT/metrics.jsonl and "
                     "TensorBoard (OUT/tb); the trained drafter to OUT/drafter. The target (only its "
@@ -44,7 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="warm-start from this drafter checkpoint (shared parameters; new heads fresh)")
     tr.add_argument("--loss-weights", default=None, metavar="K=V,...",
                     help="loss term weights (train.losses.LossConfig fields), e.g. chain_l1=0.9,tree_coverage=0.5")
-    tr.add_argument("--mesh", default=None, metavar="data=N", help="devices on the data axis (default all)")
+    tr.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                    help="devices per mesh axis, e.g. data=4,model=2 (default: every device on data); a "
+                         "checkpoint resumes on any mesh")
     tr.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint interval in steps")
     tr.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
     tr.add_argument("--log-every", type=int, default=d.log_every, help="metrics interval in steps")
@@ -87,8 +90,8 @@ def run(args: argparse.Namespace) -> None:
     """
     from treespark_jax.config import TrainConfig
     from treespark_jax.runtime import enable_compilation_cache
+    from treespark_jax.sharding import maybe_initialize_distributed, parse_mesh
     from treespark_jax.train.loop import train
-    from treespark_jax.train.parallel import maybe_initialize_distributed, parse_mesh
 
     maybe_initialize_distributed()  # before any JAX computation
     for flag in ("steps", "batch", "anchors"):
@@ -100,10 +103,10 @@ def run(args: argparse.Namespace) -> None:
                       save_every=args.save_every, keep=args.keep, log_every=args.log_every)
     fields = {k: v for k, v in (("block_size", args.block_size), ("n_layers", args.drafter_layers)) if v is not None}
     loss_cfg = parse_loss_weights(args.loss_weights)
-    mesh_size = parse_mesh(args.mesh)
+    mesh = parse_mesh(args.mesh)
     enable_compilation_cache()
     r = train(args.rollouts, args.loss, args.out, cfg, target=args.target or args.preset, dtype=args.dtype,
-              drafter_fields=fields, init=args.init, loss_cfg=loss_cfg, mesh_size=mesh_size, stop_after=args.stop_after,
+              drafter_fields=fields, init=args.init, loss_cfg=loss_cfg, mesh=mesh, stop_after=args.stop_after,
               progress=not args.quiet)
     m = r.metrics
     rows = [("run", str(r.out)), ("steps", f"{r.start_step} → {r.step} of {cfg.steps}"),

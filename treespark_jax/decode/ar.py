@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -36,14 +38,19 @@ def ar_step(model: Decoder, state: GenState, requests: Requests, greedy: bool) -
 
 
 def ar_loop(model: Decoder, state: GenState, requests: Requests, stop_after: Int[Array, ""],
-            greedy: bool) -> GenState:
+            greedy: bool, constrain: Callable[[GenState], GenState] | None = None) -> GenState:
     """Runs ``ar_step`` on device until every row is done or ``steps`` reaches ``stop_after``.
 
     ``stop_after`` is an array, so a streaming caller can advance the same compiled loop a
-    chunk at a time.
+    chunk at a time. ``constrain`` (a mesh's sharding constraints, ``sharding.Partitioner``)
+    pins the layout of the loop carry after every step.
     """
 
     def cond(s: GenState):
         return jnp.any(~s.done) & (s.steps < stop_after)
 
-    return jax.lax.while_loop(cond, lambda s: ar_step(model, s, requests, greedy), state)
+    def body(s: GenState) -> GenState:
+        s = ar_step(model, s, requests, greedy)
+        return s if constrain is None else constrain(s)
+
+    return jax.lax.while_loop(cond, body, state)

@@ -24,9 +24,11 @@ def prompt_bucket(longest_prompt: int) -> int:
     return pow2_bucket(longest_prompt, MIN_PROMPT_BUCKET)
 
 
-def batch_bucket(n_rows: int) -> int:
-    """Padded batch size for ``n_rows`` prompts."""
-    return pow2_bucket(n_rows, 1)
+def batch_bucket(n_rows: int, multiple: int = 1) -> int:
+    """Padded batch size for ``n_rows`` prompts: a power of two, rounded up to a multiple of
+    ``multiple`` (the devices on a mesh's ``data`` axis, so rows split evenly)."""
+    b = pow2_bucket(n_rows, 1)
+    return -(-b // multiple) * multiple
 
 
 def output_bucket(max_new_tokens: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.models.kv_cache import KVCache, move_slots
 from treespark_jax.typing import Array, Bool, Int
 
 
@@ -27,14 +27,13 @@ def commit_path(cache: KVCache, path: Int[Array, "B D"], n_accepted: Int[Array, 
     Returns:
       The cache with ``lengths += 1 + n_accepted`` on active rows.
     """
-    b, d = path.shape
+    d = path.shape[1]
     base = cache.lengths[:, None] + 1
     src = base + jnp.maximum(path, 0)
     dst = base + jnp.arange(d, dtype=jnp.int32)[None, :]
     keep = (jnp.arange(d)[None, :] < n_accepted[:, None]) & active[:, None]
     dst = jnp.where(keep, dst, cache.capacity)  # out of range: dropped
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, d))
-    k = cache.k.at[:, rows, dst].set(cache.k[:, rows, src], mode="drop")
-    v = cache.v.at[:, rows, dst].set(cache.v[:, rows, src], mode="drop")
+    k = move_slots(cache.k, src, dst)
+    v = move_slots(cache.v, src, dst)
     lengths = cache.lengths + jnp.where(active, 1 + n_accepted, 0)
     return cache.replace(k=k, v=v, lengths=lengths)

@@ -3,10 +3,18 @@
 Hot paths are pure functions over ``(graphdef, state)``: ``nnx.split`` happens once here,
 ``nnx.merge`` inside ``jax.jit`` (Flax performance guide), so weights are traced as inputs,
 not baked-in constants.
+
+On a device mesh (``Engine(..., mesh=...)``) the weights are placed by the partition rules of
+``sharding.py`` (heads and MLP width over ``model``), the batch is padded to a multiple of the
+``data`` axis and split over it, and every program pins the layout of the state it returns
+(and of its loop carry), so a program's output is a valid input of the next call: still one
+compiled program per maximum tree budget. The layout is a static argument; without a mesh it
+is ``None`` and the programs are exactly the single-device ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -17,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode import buckets
@@ -28,27 +37,34 @@ from treespark_jax.decode.state import GenState, Requests
 from treespark_jax.decode.tree_log import TreeLog, row_trees
 from treespark_jax.drafter.proposer import Proposer
 from treespark_jax.models.decoder import Decoder
+from treespark_jax.sharding import DATA, Partitioner, batch_sharding
 
 STREAM_CHUNK = 8  # AR steps per host sync when streaming (speculative streams sync per round)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "out_size", "greedy"))
+def _pin(layout: Partitioner | None, tree):
+    """``tree`` constrained to the mesh layout (unchanged without a mesh)."""
+    return tree if layout is None else layout.constrain(tree)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "out_size", "greedy", "layout"))
 def _prefill_program(graphdef, weights, tokens, prompt_lens, active, requests, *, capacity,
-                     out_size, greedy) -> GenState:
+                     out_size, greedy, layout=None) -> GenState:
     model = nnx.merge(graphdef, weights)
     state, _ = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
                        out_size=out_size, greedy=greedy)
-    return state
+    return _pin(layout, state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy"), donate_argnames=("state",))
-def _ar_program(graphdef, weights, state, requests, stop_after, *, greedy) -> GenState:
-    return ar_loop(nnx.merge(graphdef, weights), state, requests, stop_after, greedy)
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "layout"), donate_argnames=("state",))
+def _ar_program(graphdef, weights, state, requests, stop_after, *, greedy, layout=None) -> GenState:
+    return ar_loop(nnx.merge(graphdef, weights), state, requests, stop_after, greedy,
+                   constrain=None if layout is None else layout.constrain)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg", "capacity", "out_size"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg", "capacity", "out_size", "layout"))
 def _spec_prefill_program(graphdef, weights, tokens, prompt_lens, active, requests, proposer_weights,
-                          *, proposer, cfg, capacity, out_size) -> SpecState:
+                          *, proposer, cfg, capacity, out_size, layout=None) -> SpecState:
     model = nnx.merge(graphdef, weights)
     gen, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
                        out_size=out_size, greedy=cfg.greedy, layer_ids=proposer.layer_ids)
@@ -57,12 +73,13 @@ def _spec_prefill_program(graphdef, weights, tokens, prompt_lens, active, reques
     stats = SpecStats.zeros(b, cfg.tree.max_depth, len(cfg.ladder))
     log = (TreeLog.zeros(b, out_size, cfg.tree.budget, model.cfg.d_model, model.dtype)
            if cfg.log_trees else None)  # a round emits at least one token: ≤ out_size rounds
-    return SpecState(gen=gen, proposer=pstate, stats=stats, log=log)
+    return _pin(layout, SpecState(gen=gen, proposer=pstate, stats=stats, log=log))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg"), donate_argnames=("state",))
-def _spec_program(graphdef, weights, state, requests, stop_after, *, proposer, cfg) -> SpecState:
-    return spec_loop(nnx.merge(graphdef, weights), proposer, cfg, state, requests, stop_after)
+@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg", "layout"), donate_argnames=("state",))
+def _spec_program(graphdef, weights, state, requests, stop_after, *, proposer, cfg, layout=None) -> SpecState:
+    return spec_loop(nnx.merge(graphdef, weights), proposer, cfg, state, requests, stop_after,
+                     constrain=None if layout is None else layout.constrain)
 
 
 _PROGRAMS = (_prefill_program, _ar_program, _spec_prefill_program, _spec_program)
@@ -147,19 +164,34 @@ def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temp: float, 
 
 
 class Engine:
-    """Runs batched generation of one target on the default device.
+    """Runs batched generation of one target on the default device or on a device mesh.
 
     Args:
       model: the target decoder.
       stop_ids: end-of-sequence ids (the tokenizer's merged stop set).
       cost: the device's cost model for the cost-aware stop (default: the shipped CPU profile).
+      mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``): rows split over ``data``,
+        the target's and drafters' heads and MLP width over ``model``. ``None`` or a one-device
+        mesh runs on the default device. Generation is single-process (one host, its devices).
+
+    Attributes:
+      model: the target, its weights on the mesh when there is one (the ``model`` passed in
+        keeps its own arrays; drop it to free them).
+      layout: the mesh's partition rules, or ``None`` on one device.
     """
 
-    def __init__(self, model: Decoder, stop_ids: Sequence[int], cost: CostModel = DEFAULT_CPU_COST):
-        self.model = model
+    def __init__(self, model: Decoder, stop_ids: Sequence[int], cost: CostModel = DEFAULT_CPU_COST,
+                 mesh: Mesh | None = None):
         self.cost = cost
+        self.layout = Partitioner.for_model(mesh, model.cfg) if mesh is not None and mesh.size > 1 else None
         self.graphdef, self.weights = nnx.split(model)
         self.stop_ids = jnp.asarray(sorted(stop_ids) or [-1], jnp.int32)
+        if self.layout is not None:
+            self.weights = self.layout.place(self.weights)
+            self.stop_ids = self.layout.place(self.stop_ids)
+            model = nnx.merge(self.graphdef, self.weights)
+        self.model = model
+        self._placed: tuple = (None, None)  # (proposer weights, their placed copy)
 
     @property
     def context(self) -> int:
@@ -179,13 +211,28 @@ class Engine:
             max_new=jnp.full((n_rows,), max_new_tokens, jnp.int32),
             stop_ids=self.stop_ids)
 
+    @property
+    def data_size(self) -> int:
+        """Devices on the ``data`` axis (1 without a mesh): the batch bucket is a multiple of it."""
+        return 1 if self.layout is None else self.layout.axis_size(DATA)
+
+    def proposer_weights(self, spec: Speculation):
+        """``spec.proposer.weights``, placed on the mesh by the partition rules (the last
+        proposer's placed copy is kept, so repeated calls do not copy again)."""
+        weights = spec.proposer.weights
+        if self.layout is None or weights is None:
+            return weights
+        if self._placed[0] is not weights:
+            self._placed = (weights, self.layout.place(weights))
+        return self._placed[1]
+
     def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float,
               top_p: float, seed: int | Sequence[int], spec: Speculation | None = None,
               log_trees: bool = False):
         """Validates, pads to buckets and prefills. Returns the loop state and the requests."""
         lens = [len(p) for p in prompts]
         check_request(lens, max_new_tokens, temp, top_p, self.context)
-        b = buckets.batch_bucket(len(prompts))
+        b = buckets.batch_bucket(len(prompts), self.data_size)
         t = buckets.prompt_bucket(max(lens))
         out_size = buckets.output_bucket(max_new_tokens)
         tree_rows = spec.tree.budget + 1 if spec else 1
@@ -197,15 +244,26 @@ class Engine:
         prompt_lens[: len(lens)] = lens
         active = np.arange(b) < len(prompts)
         requests = self.requests(b, max_new_tokens, temp, top_p, seed)
-        args = (self.graphdef, self.weights, jnp.asarray(tokens), jnp.asarray(prompt_lens),
-                jnp.asarray(active), requests)
-        if spec is None:
-            state = _prefill_program(*args, capacity=capacity, out_size=out_size, greedy=temp == 0)
+        rows = (tokens, prompt_lens, active)
+        if self.layout is None:
+            rows = tuple(jnp.asarray(x) for x in rows)
         else:
-            state = _spec_prefill_program(*args, spec.proposer.weights, proposer=spec.proposer,
-                                          cfg=self.spec_config(spec, temp, log_trees),
-                                          capacity=capacity, out_size=out_size)
+            rows = jax.device_put(rows, batch_sharding(self.layout.mesh))
+            requests = self.layout.place(requests)
+        args = (self.graphdef, self.weights, *rows, requests)
+        with self._mesh():
+            if spec is None:
+                state = _prefill_program(*args, capacity=capacity, out_size=out_size, greedy=temp == 0,
+                                         layout=self.layout)
+            else:
+                state = _spec_prefill_program(*args, self.proposer_weights(spec), proposer=spec.proposer,
+                                              cfg=self.spec_config(spec, temp, log_trees),
+                                              capacity=capacity, out_size=out_size, layout=self.layout)
         return state, requests
+
+    def _mesh(self):
+        """The mesh as the current one while programs trace (``sharding.data_parallel`` reads it)."""
+        return contextlib.nullcontext() if self.layout is None else jax.set_mesh(self.layout.mesh)
 
     def spec_config(self, spec: Speculation, temp: float, log_trees: bool = False) -> SpecConfig:
         """The static round configuration for ``spec`` at temperature ``temp``."""
@@ -215,10 +273,13 @@ class Engine:
             log_trees: bool = False):
         """Advances the on-device loop until every row is done or ``stop_after`` steps/rounds."""
         stop = jnp.asarray(stop_after, jnp.int32)
-        if spec is None:
-            return _ar_program(self.graphdef, self.weights, state, requests, stop, greedy=temp == 0)
-        return _spec_program(self.graphdef, self.weights, state, requests, stop,
-                             proposer=spec.proposer, cfg=self.spec_config(spec, temp, log_trees))
+        with self._mesh():
+            if spec is None:
+                return _ar_program(self.graphdef, self.weights, state, requests, stop, greedy=temp == 0,
+                                   layout=self.layout)
+            return _spec_program(self.graphdef, self.weights, state, requests, stop,
+                                 proposer=spec.proposer, cfg=self.spec_config(spec, temp, log_trees),
+                                 layout=self.layout)
 
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, temp: float = 0.0,
                spec: Speculation | None = None) -> int:

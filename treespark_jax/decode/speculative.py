@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -172,10 +173,19 @@ def _count(stats: SpecStats, acc: Acceptance, active, rung, max_depth: int) -> S
 
 
 def spec_loop(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecState,
-              requests: Requests, stop_after: Int[Array, ""]) -> SpecState:
-    """Runs rounds on device until every row is done or ``steps`` reaches ``stop_after``."""
+              requests: Requests, stop_after: Int[Array, ""],
+              constrain: Callable[[SpecState], SpecState] | None = None) -> SpecState:
+    """Runs rounds on device until every row is done or ``steps`` reaches ``stop_after``.
+
+    ``constrain`` (a mesh's sharding constraints, ``sharding.Partitioner``) pins the layout of
+    the loop carry after every round.
+    """
 
     def cond(s: SpecState):
         return jnp.any(~s.gen.done) & (s.gen.steps < stop_after)
 
-    return jax.lax.while_loop(cond, lambda s: spec_round(model, proposer, cfg, s, requests), state)
+    def body(s: SpecState) -> SpecState:
+        s = spec_round(model, proposer, cfg, s, requests)
+        return s if constrain is None else constrain(s)
+
+    return jax.lax.while_loop(cond, body, state)

@@ -8,7 +8,7 @@ from flax import struct
 
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.streams import purpose_keys
-from treespark_jax.typing import Array, Bool, Float, Int, PRNGKeyArray
+from treespark_jax.typing import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 
 @struct.dataclass
@@ -25,7 +25,7 @@ class Requests:
 
     temp: Float[Array, "B"]
     top_p: Float[Array, "B"]
-    keys: PRNGKeyArray
+    keys: Key[Array, "B"]
     max_new: Int[Array, "B"]
     stop_ids: Int[Array, "X"]
 

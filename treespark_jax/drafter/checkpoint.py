@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -121,6 +122,16 @@ class DrafterMeta:
     training: dict | None
 
 
+def _writer() -> ocp.StandardCheckpointer:
+    """An Orbax checkpointer for this process alone: in a multi-host job one process writes the
+    drafter, and the default checkpointer would wait for the others at its barriers."""
+    if jax.process_count() == 1:
+        return ocp.StandardCheckpointer()
+    me = jax.process_index()
+    return ocp.StandardCheckpointer(multiprocessing_options=ocp.options.MultiprocessingOptions(
+        primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"drafter_{me}"))
+
+
 def save_drafter(path: str | Path, drafter: BlockDrafter, binding: TargetBinding, *,
                  training: dict | None = None, overwrite: bool = False) -> Path:
     """Writes ``drafter`` and its metadata to the directory ``path``, atomically.
@@ -158,7 +169,7 @@ def save_drafter(path: str | Path, drafter: BlockDrafter, binding: TargetBinding
     tmp, old = stem.with_name(stem.name + ".partial"), stem.with_name(stem.name + ".old")
     try:
         tmp.mkdir()
-        with ocp.StandardCheckpointer() as ckptr:
+        with _writer() as ckptr:
             ckptr.save(tmp / "params", nnx.to_pure_dict(nnx.state(drafter)))
             ckptr.wait_until_finished()
         (tmp / "drafter.json").write_text(text)  # last: a directory without it is incomplete

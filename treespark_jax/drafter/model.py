@@ -19,10 +19,11 @@ from flax import nnx, struct
 from treespark_jax.config import DrafterConfig, ModelConfig
 from treespark_jax.drafter.heads import ConfidenceHead, EdgeHead, MarkovHead, platt_identity_terms
 from treespark_jax.models.decoder import Decoder, DecoderLayer, layer_param_names
-from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.models.kv_cache import KVCache, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import expected_shapes
+from treespark_jax.sharding import data_parallel
 from treespark_jax.tree.proposal import Proposal
 from treespark_jax.typing import Array, Bool, Float, Int
 
@@ -135,15 +136,14 @@ class BlockDrafter(nnx.Module):
         Returns:
           The cache with ``lengths + n``.
         """
-        b, t, _ = features.shape
+        t = features.shape[1]
         offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions = context.lengths[:, None] + offsets
         slots = jnp.where(offsets < n[:, None], positions, context.capacity)  # out of range: dropped
-        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
         k_all, v_all = context.k, context.v
         for li, (k, v) in enumerate(self.context_keys_values(features, positions)):
-            k_all = k_all.at[li, rows, slots].set(k, mode="drop")
-            v_all = v_all.at[li, rows, slots].set(v, mode="drop")
+            k_all = write_slots(k_all, li, slots, k)
+            v_all = write_slots(v_all, li, slots, v)
         return context.replace(k=k_all, v=v_all, lengths=context.lengths + n.astype(jnp.int32))
 
     def context_keys_values(self, features: Float[Array, "B T X"], positions: Int[Array, "B T"]
@@ -278,7 +278,8 @@ class BlockDrafter(nnx.Module):
         """
         b, p, v = out.logits.shape
         m = self.cfg.pool_size
-        pool_logits, pool_ids = jax.lax.top_k(out.logits, m)
+        # Row-parallel on a data mesh: XLA would all-gather [B, P, V] over the batch for top_k.
+        pool_logits, pool_ids = data_parallel(lambda x: tuple(jax.lax.top_k(x, m)), (0,), (0, 0))(out.logits)
         pool_ids = pool_ids.astype(jnp.int32)
         if self.markov is None:
             markov = jnp.zeros((v, 0), self.dtype), jnp.zeros((b, p, 0, m), self.dtype)

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx, struct
 
 from treespark_jax.config import ModelConfig
-from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.models.kv_cache import KVCache, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import check_weights, expected_shapes
@@ -122,18 +122,17 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         if any(not 0 <= i < cfg.n_layers for i in layer_ids):
             raise ValueError(f"layer_ids {layer_ids} must be 0-based decoder layers below n_layers={cfg.n_layers}.")
-        b, t = tokens.shape
+        t = tokens.shape[1]
         x = self.embed[...][tokens]
         slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
         k_all, v_all, chosen = cache.k, cache.v, {}
         for li, layer in enumerate(self.layers):
             p = layer.arrays(cfg)
             h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
             q = query_heads(p, cfg, h, positions)
             k, v = key_value_heads(p, cfg, h, positions)
-            k_all = k_all.at[li, rows, slots].set(k.astype(k_all.dtype), mode="drop")
-            v_all = v_all.at[li, rows, slots].set(v.astype(v_all.dtype), mode="drop")
+            k_all = write_slots(k_all, li, slots, k)
+            v_all = write_slots(v_all, li, slots, v)
             x = finish_layer(p, cfg, x, attention(q, k_all[li], v_all[li], mask))
             if li in layer_ids:
                 chosen[li] = x

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from treespark_jax.config import ModelConfig
+from treespark_jax.sharding import data_parallel
 from treespark_jax.typing import Array, Float, Int
 
 
@@ -48,3 +49,30 @@ class KVCache:
 def cache_nbytes(cfg: ModelConfig, batch: int, capacity: int, itemsize: int = 4) -> int:
     """Bytes a ``KVCache`` of this size holds (keys and values)."""
     return 2 * cfg.n_layers * batch * capacity * cfg.n_kv_heads * cfg.head_dim * itemsize
+
+
+def write_slots(buf: Float[Array, "L B S K E"], layer: int, slots: Int[Array, "B T"],
+                new: Float[Array, "B T K E"]) -> Float[Array, "L B S K E"]:
+    """``buf`` with ``new[b, t]`` written at ``[layer, b, slots[b, t]]`` (slots ≥ S are dropped).
+
+    Row-parallel on a mesh's ``data`` axis (``sharding.data_parallel``): each device writes its
+    own rows, where a plain scatter would all-gather ``new`` over the batch first.
+    """
+    def write(buf, slots, new):
+        b, t = slots.shape
+        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        return buf.at[layer, rows, slots].set(new.astype(buf.dtype), mode="drop")
+
+    return data_parallel(write, (1, 0, 0), 1)(buf, slots, new)
+
+
+def move_slots(buf: Float[Array, "L B S K E"], src: Int[Array, "B X"], dst: Int[Array, "B X"]
+               ) -> Float[Array, "L B S K E"]:
+    """``buf`` with slot ``src[b, x]`` of row ``b`` copied to slot ``dst[b, x]`` in every layer
+    (all reads before any write; destinations ≥ S are dropped). Row-parallel like ``write_slots``."""
+    def move(buf, src, dst):
+        b, x = src.shape
+        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, x))
+        return buf.at[:, rows, dst].set(buf[:, rows, src], mode="drop")
+
+    return data_parallel(move, (1, 0, 0), 1)(buf, src, dst)

@@ -15,6 +15,10 @@ Everything a user can get wrong (loss name, step and batch counts, rollouts of a
 or layers, an empty rollout directory, a batch that does not split over the mesh, another
 run's directory) is checked before ``<out>`` is touched.
 
+The mesh (``--mesh data=4,model=2``; default every device on ``data``) is not part of the run:
+a run checkpointed on one mesh resumes on any other, its arrays restored straight into the new
+layout.
+
 The target's weights are loaded only for its embedding and LM head (``TargetHead``), which the
 drafter shares frozen; features and ``p_t`` come from the rollouts. For SmolLM2-135M that is
 ≈ 0.5 GB of float32 for a moment; the rest of the target is dropped before training.
@@ -34,17 +38,20 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from treespark_jax.config import TrainConfig
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter, warm_start
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.methods import drafter_config
+from treespark_jax.sharding import DATA, MeshShape, Partitioner, make_mesh, process_data_block
 from treespark_jax.train.checkpointing import TrainCheckpoints
 from treespark_jax.train.data import data_iterator, train_dataset, tree_rule
 from treespark_jax.train.losses import LOSSES, LossConfig
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
 from treespark_jax.train.optim import learning_rate, make_optimizer
-from treespark_jax.train.parallel import data_mesh, global_batch, replicated
+from treespark_jax.train.parallel import global_batch, replicated
 from treespark_jax.train.rollout_reader import RolloutSet, open_rollouts
 from treespark_jax.train.rollout_store import read_manifest
 from treespark_jax.train.step import TrainStep, init_state
@@ -79,9 +86,28 @@ class TrainResult:
     params: dict[str, Any]
 
 
+def _host_array(x):
+    if not isinstance(x, jax.Array):
+        return x
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))  # a collective: every process calls it
+
+
 def _host(tree):
-    """Host numpy copy of replicated arrays (works when other processes hold other devices)."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if isinstance(x, jax.Array) else x, tree)
+    """Host numpy copy of global arrays (replicated ones without communication; sharded ones
+    gathered, from other processes too)."""
+    return jax.tree.map(_host_array, tree)
+
+
+def _mesh(mesh: str | MeshShape | Mesh | None, mesh_size: int | None) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    if mesh is None and mesh_size is not None:
+        mesh = MeshShape(data=mesh_size)
+    return make_mesh(mesh)
 
 
 def _json(obj):
@@ -130,7 +156,8 @@ def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, in
 
 def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Path, cfg: TrainConfig = TrainConfig(),
           *, target: str | None = None, dtype: str = "float32", drafter_fields: dict[str, Any] | None = None,
-          init: str | None = None, loss_cfg: LossConfig = LossConfig(), mesh_size: int | None = None,
+          init: str | None = None, loss_cfg: LossConfig = LossConfig(),
+          mesh: str | MeshShape | Mesh | None = None, mesh_size: int | None = None,
           stop_after: int | None = None, tx: optax.GradientTransformation | None = None,
           progress: bool = True) -> TrainResult:
     """Trains (or resumes training) a block drafter on rollouts.
@@ -145,7 +172,9 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
       drafter_fields: ``DrafterConfig`` overrides (``n_layers``, ``block_size``, ``pool_size``, …).
       init: start from this drafter checkpoint instead of a random drafter.
       loss_cfg: loss term weights.
-      mesh_size: devices on the ``data`` axis (default all).
+      mesh: the device mesh: a ``Mesh``, a ``MeshShape`` or a ``--mesh`` string
+        (``"data=4,model=2"``); default every device on ``data``.
+      mesh_size: devices on the ``data`` axis when ``mesh`` is not given (``data=N``).
       stop_after: stop (checkpointed) after this step without finishing; a later call resumes.
       tx: optimizer override (default ``optim.make_optimizer(cfg)``; tests pass plain SGD).
       progress: progress bar and console lines.
@@ -156,8 +185,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     Raises:
       ValueError: (one sentence each) an unknown loss, a ``stop_after`` outside
         ``[1, steps]``, rollouts that are missing, empty, damaged, of another target or layers,
-        without trees for ``treespark``, a batch that does not split over the devices, or an
-        ``out`` holding a different run.
+        without trees for ``treespark``, a mesh the devices cannot form, a batch that does not
+        split over the ``data`` axis, or an ``out`` holding a different run.
     """
     from treespark_jax.models.load import load_target
 
@@ -169,9 +198,10 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     if not dirs:
         raise ValueError("no rollout directory was given.")
     manifest = read_manifest(dirs[0])  # an empty or foreign directory fails here, before the target loads
-    mesh = data_mesh(mesh_size)
-    if cfg.batch % mesh.size:
-        raise ValueError(f"batch {cfg.batch} does not split evenly over the {mesh.size} devices of the data axis.")
+    mesh = _mesh(mesh, mesh_size)
+    if cfg.batch % mesh.shape[DATA]:
+        raise ValueError(f"batch {cfg.batch} does not split evenly over the {mesh.shape[DATA]} devices of the data "
+                         "axis.")
     loaded = load_target(target or manifest["target"]["name"], dtype)
     binding = TargetBinding.of(loaded)
     rs = open_rollouts(dirs, expect=binding)
@@ -179,6 +209,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     jdtype = getattr(jax.numpy, dtype)
     drafter = _drafter(loss, loaded, binding, rs, init, drafter_fields or {}, jdtype, cfg.seed)
     head = TargetHead.of(loaded.model, jdtype)
+    rules = Partitioner.for_model(mesh, loaded.cfg)
     del loaded
 
     out = Path(out).absolute()
@@ -195,26 +226,28 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     tx = tx or make_optimizer(cfg)  # before anything is written
     schedule = learning_rate(cfg)
     primary = jax.process_index() == 0
+    if jax.process_count() > 1:  # every process has checked the directory before the first one writes to it
+        multihost_utils.sync_global_devices("treespark train: run directory checked")
     if primary:
         out.mkdir(parents=True, exist_ok=True)
         if not run_file.exists():
             _write_json_atomic(run_file, identity)
 
     graphdef, state = init_state(drafter, tx)
-    repl = replicated(mesh)
     ckpts = TrainCheckpoints(out / "checkpoints", keep=cfg.keep)
-    iterator = data_iterator(train_dataset(rs, cfg, n_trees=cfg.trees if loss == "treespark" else 0, rule=rule))
+    block, blocks = process_data_block(mesh)  # this process's rows of every global batch
+    iterator = data_iterator(train_dataset(rs, cfg, n_trees=cfg.trees if loss == "treespark" else 0, rule=rule,
+                                           process_index=block, process_count=blocks))
     start = ckpts.latest_step() or 0
     last_saved: dict[str, Any] = {}
-    if start:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=repl), state)
-        state, meta = ckpts.restore(start, abstract, iterator)
+    if start:  # restored straight into this mesh's layout, whatever mesh saved it
+        state, meta = ckpts.restore(start, rules.abstract(state), iterator)
         last_saved = meta.get("metrics", {})
     else:
-        state = jax.device_put(state, repl)
-    head = jax.device_put(head, repl)
+        state = rules.place(state)
+    head = jax.device_put(head, replicated(mesh))
     end = max(start, min(stop_after or cfg.steps, cfg.steps))
-    step_fn = TrainStep(graphdef, tx, loss, loss_cfg, rule, mesh).jitted()
+    step_fn = TrainStep(graphdef, tx, loss, loss_cfg, rule, mesh, rules).jitted(state)
 
     log = MetricsLog(out, start_step=start, total_steps=cfg.steps, progress=progress, enabled=primary)
     last = last_saved

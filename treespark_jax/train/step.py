@@ -10,8 +10,9 @@ The step is a pure function of ``(state, head, batch)``: the drafter's graph def
 static (``nnx.split`` outside, ``nnx.merge`` inside, as the Flax performance guide advises),
 the state is donated (updated in place), the target head is a frozen argument, and there is no
 randomness inside (anchors are drawn by the data pipeline), so equal inputs give bitwise equal
-outputs — the basis of exact resume. With the mesh's shardings (``parallel.py``) the batch is
-split over ``data`` and the gradient mean over the global batch is an all-reduce.
+outputs — the basis of exact resume. With the mesh's shardings (``sharding.py``) the batch is
+split over ``data``, the parameters and optimizer moments follow the partition rules (heads and
+MLP width over ``model``), and the gradient mean over the global batch is an all-reduce.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.sharding import Partitioner, batch_sharding, replicated
 from treespark_jax.train.batches import TrainBatch
 from treespark_jax.train.losses import LossConfig
 from treespark_jax.train.objective import objective
-from treespark_jax.train.parallel import batch_sharding, replicated
 
 __all__ = ["TrainStep", "init_state"]
 
@@ -51,7 +52,10 @@ class TrainStep:
       loss: loss name (``losses.LOSSES``).
       loss_cfg: loss weights.
       rule: verify rule of the logged trees (``treespark``), else ``None``.
-      mesh: the data mesh.
+      mesh: the training mesh (``data``, optionally ``model``).
+      partitioner: the partition rules of the drafter's target
+        (``sharding.Partitioner.for_model``); default the rules without head sizes, which
+        replicate the flattened head dimensions.
     """
 
     graphdef: Any
@@ -60,6 +64,12 @@ class TrainStep:
     loss_cfg: LossConfig
     rule: str | None
     mesh: Mesh
+    partitioner: Partitioner | None = None
+
+    @property
+    def rules(self) -> Partitioner:
+        """The partition rules in use."""
+        return self.partitioner if self.partitioner is not None else Partitioner(self.mesh)
 
     def loss_and_grads(self, params, head: TargetHead, batch: TrainBatch):
         """``((loss, metrics), grads)`` of the objective, pure (trace it under ``jax.jit``)."""
@@ -78,15 +88,24 @@ class TrainStep:
                        response_tokens=jnp.sum(batch.loss_mask))
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
-    def jitted(self) -> Callable:
-        """``update`` compiled for the mesh: ``(state, head, batch) → (state, metrics)``, the state
-        donated and replicated, the batch split over ``data``."""
-        repl = replicated(self.mesh)
-        return jax.jit(self.update, donate_argnums=0, in_shardings=(repl, repl, batch_sharding(self.mesh)),
-                       out_shardings=(repl, repl))
+    def jitted(self, state: dict[str, Any] | None = None) -> Callable:
+        """``update`` compiled for the mesh: ``(state, head, batch) → (state, metrics)``.
 
-    def jitted_grads(self) -> Callable:
-        """``loss_and_grads`` compiled for the mesh (gradients replicated): for checks."""
+        Args:
+          state: the train state (arrays or their ``jax.ShapeDtypeStruct`` shapes); its layout,
+            in and out, comes from the partition rules. ``None``: replicated (data-only layout).
+
+        The state is donated, the head and the metrics replicated, the batch split over ``data``.
+        """
         repl = replicated(self.mesh)
-        return jax.jit(self.loss_and_grads, in_shardings=(repl, repl, batch_sharding(self.mesh)),
-                       out_shardings=repl)
+        layout = repl if state is None else self.rules.shardings(state)
+        return jax.jit(self.update, donate_argnums=0, in_shardings=(layout, repl, batch_sharding(self.mesh)),
+                       out_shardings=(layout, repl))
+
+    def jitted_grads(self, params: Any = None) -> Callable:
+        """``loss_and_grads`` compiled for the mesh, for checks: ``params`` (or their shapes) give
+        the layout of the parameters and the gradients (``None``: replicated)."""
+        repl = replicated(self.mesh)
+        layout = repl if params is None else self.rules.shardings(params)
+        return jax.jit(self.loss_and_grads, in_shardings=(layout, repl, batch_sharding(self.mesh)),
+                       out_shardings=(repl, layout))
