@@ -408,3 +408,17 @@ def test_on_policy_rollouts_refuse_top_p_below_one(tmp_path, target, prompts, en
         _write(target, prompts, engine, tmp_path / "r", spec=spec,
                settings=RolloutSettings(max_new_tokens=8, batch_size=2, top_p=0.9))
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["rollout", "--prompts", "gsm8k", "--limit", "1", "--out", "{file}"],
+    ["train", "--rollouts", "{dir}", "--loss", "dspark", "--out", "{file}"],
+    ["eval-drafter", "--drafter", "{dir}", "--rollouts", "{dir}", "--json-out", "{dir}/no/such/x.json"],
+])
+def test_output_paths_that_cannot_be_written_are_one_sentence_errors(tmp_path, capsys, command):
+    (tmp_path / "f").write_text("not a directory")
+    args = [a.format(file=tmp_path / "f", dir=tmp_path) for a in command]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treespark: error: ") and err.count("\n") == 1, err
+    assert (tmp_path / "f").read_text() == "not a directory"

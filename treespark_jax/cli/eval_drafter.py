@@ -38,6 +38,9 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.api import load
     from treespark_jax.drafter.checkpoint import TargetBinding, read_meta
     from treespark_jax.drafter.model import TargetHead
+
+    if args.json_out and not Path(args.json_out).absolute().parent.is_dir():
+        raise ValueError(f"--json-out {args.json_out}: its folder does not exist.")
     from treespark_jax.train.evaluate import evaluate_drafter, rollout_batches
     from treespark_jax.train.rollouts import open_rollouts
 

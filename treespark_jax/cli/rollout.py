@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> None:
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit {args.limit} must be at least 1.")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a rollout directory.")
     try:
         layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
     except ValueError:

@@ -113,5 +113,5 @@ def run(args: argparse.Namespace) -> None:
             ("loss", f"{m['loss']:.4f}" if "loss" in m else "-"),
             ("τ (chain)", f"{m['tau']:.3f}" if "tau" in m else "-"),
             ("α/depth", " ".join(f"{a:.2f}" for a in m.get("alpha", [])) or "-"),
-            ("drafter", str(r.drafter_path) if r.finished else "not yet (resume with the same command)")]
+            ("drafter", str(r.drafter_path) if r.finished else "not yet (re-run without --stop-after, or with a later step, to continue)")]
     print("\n".join(f"{k:<10} {v}" for k, v in rows))

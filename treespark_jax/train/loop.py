@@ -194,6 +194,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         raise ValueError(f"loss {loss!r} is unknown; choose one of {', '.join(LOSSES)}.")
     if stop_after is not None and not 1 <= stop_after <= cfg.steps:
         raise ValueError(f"--stop-after {stop_after} must lie in [1, steps={cfg.steps}].")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file, not a run directory.")
     dirs = [Path(rollouts)] if isinstance(rollouts, (str, Path)) else [Path(d) for d in rollouts]
     if not dirs:
         raise ValueError("no rollout directory was given.")
