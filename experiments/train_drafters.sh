@@ -4,6 +4,7 @@
 #   2. a dflash drafter and a dspark drafter on the same data for the same steps
 #   3. on-policy rollouts with the dspark drafter (every verified tree logged)
 #   4. a treespark drafter warm-started from the dspark one, trained on the on-policy trees
+#      (of the $ONPOLICY sets; plain rollouts of the others, whose tree slots stay empty)
 #   5. offline evaluation of all three on the held-out (eval) split
 # Every stage resumes where it stopped when the script is run again (rollouts skip finished
 # prompts, training resumes from its last checkpoint), so it can be run in pieces:
@@ -22,6 +23,7 @@ SEQ=${SEQ:-384}                # tokens per sequence (prompt + response, longer 
 ANCHORS=${ANCHORS:-16}         # gold-chain blocks per sequence
 BUDGET=${BUDGET:-16}           # tree budget of the on-policy rollouts
 SETS="gsm8k humaneval mtbench"
+ONPOLICY=${ONPOLICY:-gsm8k}    # sets whose on-policy trees are logged (the others stay plain; CPU time)
 T="$PY -m treespark_jax.cli"
 TRAIN_ARGS="--steps $STEPS --batch $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
 
@@ -37,13 +39,18 @@ stage_rollouts() {
 stage_dflash() { $T train --rollouts $(plain train) --loss dflash $TRAIN_ARGS --out "$DATA/dflash"; }
 stage_dspark() { $T train --rollouts $(plain train) --loss dspark $TRAIN_ARGS --out "$DATA/dspark"; }
 stage_onpolicy() {
-  for s in $SETS; do
+  for s in $ONPOLICY; do
     $T rollout --prompts "$s" --split train --limit "$LIMIT" --max-new-tokens "$NEW" --batch-size 16 \
       --drafter "$DATA/dspark/drafter" --method pctree --budget "$BUDGET" --out "$DATA/onpolicy-$s-train"
   done
 }
+treespark_sets() {
+  for s in $SETS; do
+    case " $ONPOLICY " in *" $s "*) echo "$DATA/onpolicy-$s-train" ;; *) echo "$DATA/rollouts-$s-train" ;; esac
+  done
+}
 stage_treespark() {
-  $T train --rollouts $(for s in $SETS; do echo "$DATA/onpolicy-$s-train"; done) --loss treespark --trees 4 \
+  $T train --rollouts $(treespark_sets) --loss treespark --trees 4 \
     --init "$DATA/dspark/drafter" $TRAIN_ARGS --out "$DATA/treespark"
 }
 stage_eval() {

@@ -24,7 +24,7 @@ from treespark_jax.cli import main
 from treespark_jax.config import TrainConfig
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter
 from treespark_jax.models.load import load_target
-from treespark_jax.train.data import data_iterator, train_dataset
+from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
 from treespark_jax.train.rollout_run import target_features
 from treespark_jax.train.rollouts import RolloutWriter, TreeLog, make_record, open_rollouts
 
@@ -268,9 +268,19 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
 
 
 def test_treespark_loss_trains_on_logged_trees(tmp_path, target):
+    """On-policy sets mixed with plain ones: plain records get empty tree slots of the same budget."""
     tree_rollouts = write_tiny_rollouts(target, tmp_path / "trees", records=8, trees=True)
+    plain = write_tiny_rollouts(target, tmp_path / "plain", records=8)
+    mixed = open_rollouts([plain, tree_rollouts])
+    rule, budget = tree_layout(mixed)
+    ds = train_dataset(mixed, TrainConfig(batch=4, seq_len=40, anchors=3, trees=2), n_trees=2, rule=rule,
+                       budget=budget)
+    batches = [ds[s].trees for s in range(4)]
+    assert {t.tokens.shape for t in batches} == {(4, 2, budget)}
+    slots = np.concatenate([t.anchor_pos.ravel() for t in batches])
+    assert (slots == -1).any() and (slots >= 0).any()  # both plain and on-policy records were drawn
     out = tmp_path / "run"
-    assert main(_cli("--rollouts", tree_rollouts, "--loss", "treespark", "--out", out, "--steps", "2",
+    assert main(_cli("--rollouts", plain, tree_rollouts, "--loss", "treespark", "--out", out, "--steps", "2",
                      "--trees", "2")) == 0
     row = _jsonl(out / "metrics.jsonl")[-1]
     assert row["step"] == 2 and all(np.all(np.isfinite(v)) for v in row.values())

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from treespark_jax.decode.cost_model import cost_model_for, current_device_kind, target_id
 from treespark_jax.decode.engine import Engine, GenerationStats, Speculation
 from treespark_jax.drafter.model import BlockDrafter
+from treespark_jax.drafters import default_method, shipped_drafter
 from treespark_jax.methods import DEFAULT_BUDGET, drafter_config, recipe, speculation
 from treespark_jax.models.load import Target, load_target
 from treespark_jax.models.presets import DEFAULT_PRESET
@@ -73,16 +74,26 @@ class TreeSpark:
           method: a method of ``methods.METHODS``.
           drafter: a ``BlockDrafter``, a drafter checkpoint directory (loaded once and kept), or
             ``"random"``: a randomly initialised drafter with the recipe's heads (seed 0), for
-            checks and cost profiling (τ ≈ 1). ``None``: no drafter ships by default yet.
+            checks and cost profiling (τ ≈ 1). ``None``: the drafter that ships for this preset
+            and the recipe's loss (``treespark_jax.drafters``).
 
         Raises:
-          ValueError: a drafter for a method without one, a checkpoint made for another target,
-            or a missing/corrupt checkpoint.
+          ValueError: a drafter for a method without one, no drafter given where none ships, a
+            checkpoint made for another target, or a missing/corrupt checkpoint.
         """
         r = recipe(method)
-        if r.proposer != "block" and drafter is not None:
-            raise ValueError(f"method {method!r} uses no block drafter; drop the drafter {drafter!r}.")
-        if drafter is None or isinstance(drafter, BlockDrafter):
+        if r.proposer != "block":
+            if drafter is not None:
+                raise ValueError(f"method {method!r} uses no block drafter; drop the drafter {drafter!r}.")
+            return None
+        if drafter is None:
+            shipped = shipped_drafter(self.target.name, r.drafter_loss)
+            if shipped is None:
+                raise ValueError(f"method {method!r} needs a {r.drafter_loss} drafter and none ships for target "
+                                 f"{self.target.name!r}; pass a checkpoint directory (`treespark train` makes one) "
+                                 "or use method 'ar' or 'prompt_lookup'.")
+            drafter = str(shipped)
+        if isinstance(drafter, BlockDrafter):
             return drafter
         if drafter not in self._drafters:
             if drafter == "random":
@@ -94,6 +105,11 @@ class TreeSpark:
 
                 self._drafters[drafter] = load_drafter(drafter, self.target, dtype=self.target.model.dtype)[0]
         return self._drafters[drafter]
+
+    @property
+    def default_method(self) -> str:
+        """``treespark`` when a treespark drafter ships for this target (a preset), else ``ar``."""
+        return default_method(self.target.name)
 
     def speculation(self, method: str, budget: int = DEFAULT_BUDGET, *, drafter: str | BlockDrafter | None = None,
                     builder: str | None = None, verify: str | None = None) -> Speculation | None:
@@ -109,7 +125,7 @@ class TreeSpark:
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompt: str | list[str], *, chat: bool = False, max_new_tokens: int = 128,
-                 temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar",
+                 temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str | None = None,
                  budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
                  builder: str | None = None, verify: str | None = None
                  ) -> GenerationResult | list[GenerationResult]:
@@ -122,7 +138,8 @@ class TreeSpark:
           temp: temperature (0 = greedy).
           top_p: nucleus mass in ``(0, 1]``.
           seed: request seed; prompt ``i`` of a batch uses ``seed + i``.
-          method: decoding method, one of ``methods.METHODS``.
+          method: decoding method, one of ``methods.METHODS``; default ``default_method``
+            (``treespark`` with its shipped drafter on a preset that has one, else ``ar``).
           budget: maximum drafted tree nodes per round N (speculative methods).
           drafter: the block drafter of a drafter method (see ``drafter``).
           builder: overrides the method's tree builder (ablations).
@@ -134,7 +151,8 @@ class TreeSpark:
         Raises:
           ValueError: unknown method, missing drafter or invalid request (one sentence naming the value).
         """
-        spec = self.speculation(method, budget, drafter=drafter, builder=builder, verify=verify)
+        spec = self.speculation(method or self.default_method, budget, drafter=drafter, builder=builder,
+                                verify=verify)
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = [self.encode_prompt(t, chat) for t in texts]
         out, stats = self.engine.generate(ids, max_new_tokens, temp, top_p, seed, spec)
@@ -143,12 +161,13 @@ class TreeSpark:
         return results[0] if isinstance(prompt, str) else results
 
     def stream(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
-               temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str = "ar",
+               temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str | None = None,
                budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
                builder: str | None = None, verify: str | None = None) -> Iterator[str]:
         """Yields the reply's text as it is committed (only complete UTF-8 characters); arguments
         as in ``generate``."""
-        spec = self.speculation(method, budget, drafter=drafter, builder=builder, verify=verify)
+        spec = self.speculation(method or self.default_method, budget, drafter=drafter, builder=builder,
+                                verify=verify)
         decoder = StreamDecoder(self.tokenizer)
         prompt_ids = self.encode_prompt(prompt, chat)
         for ids in self.engine.stream(prompt_ids, max_new_tokens, temp, top_p, seed, spec):

@@ -23,12 +23,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
     gen.add_argument("--seed", type=int, default=0, help="request seed for sampling")
-    gen.add_argument("--method", default="ar", choices=METHODS, help="decoding method")
+    gen.add_argument("--method", default=None, choices=METHODS,
+                     help="decoding method (default: treespark with its shipped drafter where the target has "
+                          "one, else ar)")
     gen.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                      help="maximum drafted tree nodes per round (speculative methods)")
     gen.add_argument("--drafter", default=None, metavar="PATH",
-                     help=f"drafter checkpoint directory for {', '.join(DRAFTER_METHODS)}, or 'random' "
-                          "(an untrained drafter, for checks)")
+                     help=f"drafter checkpoint directory for {', '.join(DRAFTER_METHODS)} (default: the one "
+                          "shipped for the preset), or 'random' (an untrained drafter, for checks)")
     gen.add_argument("--builder", default=None, choices=BUILDERS, help="override the method's tree builder")
     gen.add_argument("--verify", default=None, choices=VERIFY_RULES,
                      help="override the method's verify rule at temp > 0")
@@ -36,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="devices per mesh axis, e.g. data=2,model=4: rows over data, the target's heads "
                           "and MLP width over model (default: every local device on data)")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (prompt, prompt_ids, token_ids, text, stats)")
+                     help="print one JSON object (method, prompt, prompt_ids, token_ids, text, stats)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -50,8 +52,9 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.api import load
 
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
+    method = args.method or lm.default_method
     result = lm.generate(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                         temp=args.temp, top_p=args.top_p, seed=args.seed, method=args.method,
+                         temp=args.temp, top_p=args.top_p, seed=args.seed, method=method,
                          budget=args.budget, drafter=args.drafter, builder=args.builder, verify=args.verify)
     stats = result.stats
     stats_json = {"new_tokens": stats.new_tokens, "tokens_per_s": stats.tokens_per_s,
@@ -59,10 +62,10 @@ def run(args: argparse.Namespace) -> None:
                   "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "tau": stats.tau,
                   "tau_per_depth": stats.tau_per_depth, "rung_rounds": stats.rung_rounds}
     if args.json:
-        print(json.dumps({"prompt": result.prompt, "prompt_ids": result.prompt_ids,
+        print(json.dumps({"method": method, "prompt": result.prompt, "prompt_ids": result.prompt_ids,
                           "token_ids": result.token_ids, "text": result.text, "stats": stats_json}))
         return
     print(result.text)
-    print(f"\n[{args.method}] {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, τ {stats.tau:.2f}, "
+    print(f"\n[{method}] {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, τ {stats.tau:.2f}, "
           f"{stats.target_forwards} target forwards, {stats.compiles} programs compiled",
           file=sys.stderr)

@@ -118,6 +118,9 @@ class GenerationStats:
       tau_per_depth: acceptance rate at depth ``j + 1`` given depth ``j`` was reached (list;
         ``None`` where depth ``j`` was never reached).
       rung_rounds: rounds that verified each ladder rung (list; empty for AR).
+      rounds: verify rounds over all rows (0 for AR).
+      depth_reached, depth_accepted: the counts behind ``tau_per_depth`` (lists of ints), for
+        pooling several calls exactly.
     """
 
     rows: int
@@ -129,6 +132,9 @@ class GenerationStats:
     tau: float = 1.0
     tau_per_depth: list = dataclasses.field(default_factory=list)
     rung_rounds: list = dataclasses.field(default_factory=list)
+    rounds: int = 0
+    depth_reached: list = dataclasses.field(default_factory=list)
+    depth_accepted: list = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -375,11 +381,18 @@ class Engine:
             state = self.run(state, requests, int(steps) + chunk, temp, spec)
 
 
+def depth_rates(reached: Sequence[int], accepted: Sequence[int]) -> list[float | None]:
+    """Acceptance at depth ``j + 1`` given depth ``j`` was reached; ``None`` (valid JSON) where
+    depth ``j`` never was."""
+    return [float(a / r) if r else None for a, r in zip(accepted, reached)]
+
+
 def _add_spec_stats(stats: GenerationStats, spec: SpecStats, n_rows: int) -> None:
     """Pools the per-row counters of the real rows into τ, per-depth acceptance and rung use."""
     rounds = int(spec.rounds[:n_rows].sum())
     stats.tau = (rounds + int(spec.accepted[:n_rows].sum())) / max(rounds, 1)
-    reached = spec.depth_reached[:n_rows].sum(0)
-    stats.tau_per_depth = [float(a / r) if r else None  # None: depth never reached (valid JSON)
-                           for a, r in zip(spec.depth_accepted[:n_rows].sum(0), reached)]
+    stats.rounds = rounds
+    stats.depth_reached = [int(r) for r in spec.depth_reached[:n_rows].sum(0)]
+    stats.depth_accepted = [int(a) for a in spec.depth_accepted[:n_rows].sum(0)]
+    stats.tau_per_depth = depth_rates(stats.depth_reached, stats.depth_accepted)
     stats.rung_rounds = spec.rung_rounds.tolist()

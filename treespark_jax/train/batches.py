@@ -104,7 +104,7 @@ def _tree_rows(trees: dict[str, Any], length: int, n_trees: int, rng: np.random.
 
 
 def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anchors: int, n_trees: int = 0,
-                       rng: np.random.Generator) -> TrainBatch:
+                       tree_budget: int | None = None, rng: np.random.Generator) -> TrainBatch:
     """Stacks rollout records (``rollout_records`` fields) into one fixed-shape ``TrainBatch``.
 
     Args:
@@ -112,13 +112,14 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
       seq_len: T; longer rollouts are cut at ``T`` tokens.
       n_anchors: A gold-chain anchors per sequence.
       n_trees: Tr logged trees per sequence (0: no trees; records without trees get empty slots).
+      tree_budget: N of the trees; default: that of the records' trees (1 if none has trees).
       rng: generator drawing anchors and trees (deterministic batches for a given state).
 
     Returns:
       A numpy ``TrainBatch`` (float32 features and hidden states).
 
     Raises:
-      ValueError: no records, ``seq_len < 2``, or trees of different budgets.
+      ValueError: no records, ``seq_len < 2``, or trees of different budgets (or not ``tree_budget``).
     """
     if not records:
         raise ValueError("a training batch needs at least one rollout record.")
@@ -142,7 +143,7 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
             tree_rows.append(_tree_rows(rec["trees"], n, n_trees, rng) if "trees" in rec else None)
     trees = None
     if n_trees:
-        shapes = {r["tokens"].shape[1] for r in tree_rows if r is not None}
+        shapes = {r["tokens"].shape[1] for r in tree_rows if r is not None} | ({tree_budget} if tree_budget else set())
         if len(shapes) > 1:
             raise ValueError(f"logged trees have different budgets {sorted(shapes)}; train on one budget at a time.")
         budget = shapes.pop() if shapes else 1

@@ -31,22 +31,26 @@ from treespark_jax.train.batches import TrainBatch, batch_from_records
 from treespark_jax.train.rollout_reader import RolloutSet
 from treespark_jax.train.rollout_records import RolloutError
 
-__all__ = ["data_iterator", "tree_rule", "train_dataset"]
+__all__ = ["data_iterator", "train_dataset", "tree_layout"]
 
 _ANCHOR_STREAM = 1  # purpose tag of the anchor/tree draws (``default_rng([seed, tag, e])``)
 
 
-def tree_rule(rollouts: RolloutSet) -> str:
-    """The verify rule of the logged trees (from the first record; every batch re-checks it).
+def tree_layout(rollouts: RolloutSet) -> tuple[str, int]:
+    """The verify rule and budget ``N`` of the logged trees (from the first record that has
+    trees; every batch re-checks the rule). Plain records may be mixed in: their tree slots
+    stay empty, so a run can add on-policy trees for some prompt sets only.
 
     Raises:
-      RolloutError: the rollouts carry no verified trees (plain, not on-policy, rollouts).
+      RolloutError: none of the rollouts carries verified trees (all plain, not on-policy).
     """
     if not rollouts.trees:
         raise RolloutError(f"the treespark loss needs on-policy rollouts with logged trees, but "
                            f"{str(rollouts.dirs[0])!r} holds plain rollouts; use the dspark or dflash loss, "
                            "or log rollouts with `treespark rollout --drafter PATH`.")
-    return str(rollouts[0]["trees"]["rule"])
+    first = next(i for i in range(len(rollouts)) if "trees" in rollouts[i])
+    trees = rollouts[first]["trees"]
+    return str(trees["rule"]), int(np.asarray(trees["tokens"]).shape[-1])
 
 
 def _with_index(e: int, record: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -64,8 +68,8 @@ def _concat(parts: list[TrainBatch]) -> TrainBatch:
 class _MakeBatch:
     """``[(e, record)] → TrainBatch`` (a picklable callable, for Grain's worker processes)."""
 
-    def __init__(self, cfg: TrainConfig, n_trees: int, rule: str | None):
-        self.cfg, self.n_trees, self.rule = cfg, n_trees, rule
+    def __init__(self, cfg: TrainConfig, n_trees: int, rule: str | None, budget: int):
+        self.cfg, self.n_trees, self.rule, self.budget = cfg, n_trees, rule, budget
 
     def __call__(self, items: list[tuple[int, dict[str, Any]]]) -> TrainBatch:
         parts = []
@@ -75,12 +79,12 @@ class _MakeBatch:
                                    f"{record['trees']['rule']!r} rule, not {self.rule!r}; train on one rule at a time.")
             rng = np.random.default_rng([self.cfg.seed, _ANCHOR_STREAM, e])
             parts.append(batch_from_records([record], seq_len=self.cfg.seq_len, n_anchors=self.cfg.anchors,
-                                            n_trees=self.n_trees, rng=rng))
+                                            n_trees=self.n_trees, tree_budget=self.budget, rng=rng))
         return _concat(parts)
 
 
 def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, rule: str | None = None,
-                  process_index: int | None = None, process_count: int | None = None) -> grain.MapDataset:
+                  budget: int = 1, process_index: int | None = None, process_count: int | None = None) -> grain.MapDataset:
     """This process's batches, element ``s`` = its rows of step ``s`` (module docstring).
 
     Args:
@@ -88,6 +92,7 @@ def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, r
       cfg: ``seed``, ``batch`` (global), ``seq_len``, ``anchors``.
       n_trees: logged trees per sequence (0 unless the loss uses trees).
       rule: the trees' verify rule, checked per record (``None`` = no check).
+      budget: N of the logged trees (the width of empty tree slots of plain records).
       process_index, process_count: default ``jax.process_index()`` / ``jax.process_count()``.
 
     Returns:
@@ -102,7 +107,7 @@ def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, r
         raise ValueError(f"batch {cfg.batch} does not split evenly over {n} processes.")
     ds = grain.MapDataset.source(rollouts).shuffle(seed=cfg.seed).repeat()
     ds = ds.map_with_index(_with_index)
-    ds = ds.batch(cfg.batch // n, drop_remainder=True, batch_fn=_MakeBatch(cfg, n_trees, rule))
+    ds = ds.batch(cfg.batch // n, drop_remainder=True, batch_fn=_MakeBatch(cfg, n_trees, rule, budget))
     return ds[p::n]
 
 

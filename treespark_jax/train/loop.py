@@ -47,7 +47,7 @@ from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.methods import drafter_config
 from treespark_jax.sharding import DATA, MeshShape, Partitioner, make_mesh, process_data_block
 from treespark_jax.train.checkpointing import TrainCheckpoints
-from treespark_jax.train.data import data_iterator, train_dataset, tree_rule
+from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
 from treespark_jax.train.losses import LOSSES, LossConfig
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
 from treespark_jax.train.optim import learning_rate, make_optimizer
@@ -207,7 +207,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     loaded = load_target(target or manifest["target"]["name"], dtype)
     binding = TargetBinding.of(loaded)
     rs = open_rollouts(dirs, expect=binding)
-    rule = tree_rule(rs) if loss == "treespark" else None
+    rule, budget = tree_layout(rs) if loss == "treespark" else (None, 1)
     jdtype = getattr(jax.numpy, dtype)
     drafter = _drafter(loss, loaded, binding, rs, init, drafter_fields or {}, jdtype, cfg.seed)
     head = TargetHead.of(loaded.model, jdtype)
@@ -238,7 +238,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     graphdef, state = init_state(drafter, tx)
     ckpts = TrainCheckpoints(out / "checkpoints", keep=cfg.keep)
     block, blocks = process_data_block(mesh)  # this process's rows of every global batch
-    iterator = data_iterator(train_dataset(rs, cfg, n_trees=cfg.trees if loss == "treespark" else 0, rule=rule,
+    iterator = data_iterator(train_dataset(rs, cfg, n_trees=cfg.trees if loss == "treespark" else 0, rule=rule, budget=budget,
                                            process_index=block, process_count=blocks))
     start = ckpts.latest_step() or 0
     last_saved: dict[str, Any] = {}

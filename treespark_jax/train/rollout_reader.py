@@ -88,7 +88,7 @@ class RolloutSet:
             raise RolloutError(f"rollouts in {str(first)!r} carry features of layers {list(self.layer_ids)}, "
                                f"not the {list(layer_ids)} expected.")
         self.d_model = int(m0["d_model"])
-        self.trees = all(m.get("trees") for m in self.manifests)
+        self.trees = any(m.get("trees") for m in self.manifests)
         self._shards: list[_Shard] = []
         for d, m in zip(dirs, self.manifests):
             for s in m["shards"]:

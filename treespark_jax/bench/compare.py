@@ -1,0 +1,176 @@
+"""Methods × budgets against autoregressive decoding, in one process (``treespark bench``).
+
+For every prompt and repeat, AR runs first and then every (method, budget) on the same prompt,
+so slow drifts of the machine (thermal, other jobs) hit AR and the methods alike. A row
+reports (DESIGN.md §4):
+
+- ``tau``: committed tokens per target forward, bonus included, pooled over all rounds of all
+  prompts and repeats; ``tau_per_depth``: acceptance at depth ``j + 1`` given depth ``j``
+  was reached, pooled the same way (``None`` for a depth never reached);
+- ``speedup``: median over (prompt, repeat) of AR's seconds per output token ÷ the method's
+  (prefill excluded), ``speedup_iqr`` its inter-quartile range (the stated noise);
+- ``tokens_per_s``: total decoded tokens ÷ total decode seconds;
+- ``compiles``: programs compiled for the row (warm-up included: the budget's round program
+  and one prefill program per prompt-length bucket); ``late_compiles``: those compiled after
+  the first pass over the prompts, 0 when shapes are static (one program per budget);
+- ``greedy_equal`` (temp 0): every output equals AR's token for token; ``divergences`` lists
+  the first divergence of each differing output with AR's top-2 logit gap (near-ties,
+  DESIGN.md §1.3, are reported, not hidden). ``None`` at temp > 0, where outputs are samples.
+
+Sources: speedup and τ as defined by Leviathan et al. 2023 and Chen et al. 2023 (speculative
+sampling); interleaved medians with IQR follow the CPU protocol of DESIGN.md §4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from treespark_jax.api import TreeSpark
+from treespark_jax.bench.greedy_check import first_divergence
+from treespark_jax.decode.engine import GenerationStats, Speculation, depth_rates
+from treespark_jax.methods import METHODS, recipe
+
+
+@dataclasses.dataclass
+class _Tally:
+    """One row's measurements, pooled over prompts and repeats."""
+
+    seconds: list[float] = dataclasses.field(default_factory=list)  # per (prompt, repeat)
+    tokens: int = 0  # decoded tokens (each reply's first token comes from prefill)
+    decode_s: float = 0.0
+    rounds: int = 0
+    committed: float = 0.0
+    reached: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    compiles: int = 0
+    late_compiles: int = 0  # after the first pass over the prompts
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def add(self, stats: GenerationStats, ids: list[int], late: bool = False) -> None:
+        decoded = max(stats.new_tokens - stats.rows, 0)
+        self.seconds.append(stats.decode_s / max(decoded, 1))
+        self.tokens += decoded
+        self.decode_s += stats.decode_s
+        self.rounds += stats.rounds
+        self.committed += stats.tau * stats.rounds
+        self.compiles += stats.compiles
+        self.late_compiles += stats.compiles if late else 0
+        self.outputs.append(ids)
+        n = max(len(self.reached), len(stats.depth_reached))
+        self.reached = np.pad(self.reached, (0, n - len(self.reached))) + np.pad(
+            stats.depth_reached, (0, n - len(stats.depth_reached))).astype(np.int64)
+        self.accepted = np.pad(self.accepted, (0, n - len(self.accepted))) + np.pad(
+            stats.depth_accepted, (0, n - len(stats.depth_accepted))).astype(np.int64)
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.rounds if self.rounds else 1.0
+
+
+def _iqr(xs: Sequence[float]) -> float:
+    q1, q3 = np.percentile(xs, [25, 75])
+    return float(q3 - q1)
+
+
+def check_methods(methods: Sequence[str], budgets: Sequence[int]) -> None:
+    """Raises ``ValueError`` (one sentence) for an unknown method or a budget below 1."""
+    for m in methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}.")
+    for b in budgets:
+        if b < 1:
+            raise ValueError(f"budget {b} must be at least 1 drafted node.")
+
+
+def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[str], budgets: Sequence[int], *,
+            temp: float = 0.0, max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
+            drafters: Mapping[str, str] | None = None,
+            progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Benchmarks ``methods`` at each of ``budgets`` against AR on ``prompts``, at batch 1.
+
+    Args:
+      lm: the loaded target (``api.load``).
+      prompts: token ids per prompt (already through the chat template).
+      methods: names of ``methods.METHODS``; ``ar`` gives the baseline row, ``prompt_lookup``
+        and the drafter methods one row per budget.
+      budgets: maximum drafted nodes per round N.
+      temp: temperature (0 = greedy; at temp > 0 AR and each method sample with ``seed``).
+      max_new_tokens: cap per reply (a reply may end earlier at a stop token).
+      repeats: passes over the prompts (AR and every row interleaved in each pass).
+      seed: sampling seed.
+      drafters: drafter per method (checkpoint path or ``"random"``); default the shipped ones.
+      progress: called with a short line after each prompt of each repeat.
+
+    Returns:
+      One dict per row, ``ar`` first: ``method``, ``budget`` (``None`` for ``ar``), ``temp``,
+      ``tau``, ``tau_per_depth``, ``speedup``, ``speedup_iqr``, ``tokens_per_s``, ``compiles``,
+      ``greedy_equal``, ``divergences`` (module docstring).
+
+    Raises:
+      ValueError: unknown method, bad budget, no prompts, ``repeats < 1``, a method without a
+        drafter, or an invalid request (see ``Engine.generate``).
+    """
+    check_methods(methods, budgets)
+    if not prompts:
+        raise ValueError("the benchmark needs at least one prompt.")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be at least 1.")
+    drafters = dict(drafters or {})
+    specs: dict[tuple[str, int], Speculation] = {}
+    for m in methods:
+        if m == "ar":
+            continue
+        drafter = drafters.get(m) if recipe(m).proposer == "block" else None
+        for b in budgets:
+            specs[(m, b)] = lm.speculation(m, b, drafter=drafter)
+    engine = lm.engine
+    ar, rows = _Tally(), {key: _Tally() for key in specs}
+
+    def run(p, spec, tally, late=False):
+        ids, stats = engine.generate([p], max_new_tokens, temp, 1.0, seed, spec)
+        tally.add(stats, ids[0], late)
+
+    warm = _Tally()
+    run(prompts[0], None, warm)  # compile AR once, outside the measurements
+    ar.compiles = warm.compiles
+    for key, spec in specs.items():
+        run(prompts[0], spec, warm := _Tally())
+        rows[key].compiles = warm.compiles
+    for r in range(repeats):
+        for i, p in enumerate(prompts):
+            run(p, None, ar, r > 0)
+            for key, spec in specs.items():
+                run(p, spec, rows[key], r > 0)
+            if progress:
+                progress(f"repeat {r + 1}/{repeats}, prompt {i + 1}/{len(prompts)}")
+
+    results = []
+    if "ar" in methods:
+        results.append(_row("ar", None, temp, ar, ar, lm, prompts, repeats))
+    for (m, b), tally in rows.items():
+        results.append(_row(m, b, temp, tally, ar, lm, prompts, repeats))
+    return results
+
+
+def _row(method: str, budget: int | None, temp: float, tally: _Tally, ar: _Tally, lm: TreeSpark,
+         prompts: Sequence[Sequence[int]], repeats: int) -> dict:
+    speedups = [a / m for a, m in zip(ar.seconds, tally.seconds)]
+    divergences, equal = [], None
+    if temp == 0 and method != "ar":
+        for k, (a, o) in enumerate(zip(ar.outputs, tally.outputs)):
+            d = first_divergence(lm.target.model, prompts[k % len(prompts)], a, o)
+            if d is not None:
+                divergences.append(dataclasses.asdict(d) | {"prompt": k % len(prompts), "near_tie": d.near_tie})
+        equal = not divergences
+    elif temp == 0:
+        equal = True
+    return {"method": method, "budget": budget, "temp": temp, "tau": tally.tau,
+            "tau_per_depth": depth_rates(tally.reached.tolist(), tally.accepted.tolist()), "speedup": statistics.median(speedups),
+            "speedup_iqr": _iqr(speedups), "tokens_per_s": tally.tokens / tally.decode_s if tally.decode_s else None,
+            "ms_per_token": 1e3 * statistics.median(tally.seconds), "compiles": tally.compiles,
+            "late_compiles": tally.late_compiles,
+            "greedy_equal": equal, "divergences": divergences}

@@ -1,0 +1,128 @@
+"""``treespark bench``: methods × budgets against AR on a prompt set, one table and one JSON file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+from treespark_jax.cli.common import add_target_args, target_name
+from treespark_jax.methods import DRAFTER_METHODS, METHODS
+
+ALL_METHODS = ",".join(METHODS)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Adds the ``bench`` command to ``sub``."""
+    b = sub.add_parser(
+        "bench", help="τ and speedup of decoding methods against AR on a prompt set",
+        description="Runs AR and every (method, budget) on each prompt, interleaved, at batch 1; prints τ, "
+                    "per-depth acceptance, the speedup over AR (median and IQR over prompts × repeats), "
+                    "compiles and greedy equality with AR (near-ties reported).")
+    add_target_args(b)
+    b.add_argument("--prompts", default="gsm8k", metavar="SET|FILE.jsonl",
+                   help="a prompt set (humaneval, gsm8k, mtbench) or a JSONL file with a \"prompt\" per line "
+                        "(default gsm8k)")
+    b.add_argument("--split", default=None, choices=("train", "eval", "all"),
+                   help="split of a prompt set (default eval: the held-out prompts); not for a file")
+    b.add_argument("--limit", type=int, default=32, help="first prompts of the split to run (default 32)")
+    b.add_argument("--methods", default=ALL_METHODS, help=f"comma-separated methods (default {ALL_METHODS})")
+    b.add_argument("--budgets", default="4,8,16,32", help="comma-separated tree budgets N (default 4,8,16,32)")
+    b.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
+    b.add_argument("--max-new-tokens", type=int, default=128, help="cap per reply (default 128)")
+    b.add_argument("--repeats", type=int, default=3, help="interleaved passes over the prompts (default 3)")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    b.add_argument("--drafter", action="append", default=[], metavar="METHOD=PATH",
+                   help="drafter checkpoint for one method (repeatable; default the shipped drafters)")
+    b.add_argument("--json-out", default=None, metavar="FILE", help="also write protocol and rows as JSON")
+
+
+def _csv(text: str, what: str, cast=str) -> list:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"--{what} {text!r} lists nothing; give comma-separated values.")
+    try:
+        return [cast(t) for t in items]
+    except ValueError:
+        raise ValueError(f"--{what} {text!r} must be comma-separated integers.") from None
+
+
+def _drafters(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        method, sep, path = pair.partition("=")
+        if not sep or method not in DRAFTER_METHODS or not path:
+            raise ValueError(f"--drafter {pair!r} must be METHOD=PATH with METHOD one of {', '.join(DRAFTER_METHODS)}.")
+        out[method] = path
+    return out
+
+
+def _fmt(x, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def print_table(rows: list[dict], file=None) -> None:
+    """The rows as a fixed-width table (τ per depth up to depth 4) on ``file`` (default stdout)."""
+    file = file or sys.stdout
+    print(f"{'method':<14}{'budget':>6} {'tau':>5} {'speedup':>8} {'±iqr':>5} {'tok/s':>6} {'compiles':>8} "
+          f"{'greedy=':>7}  α per depth", file=file)
+    for r in rows:
+        equal = {True: "yes", False: "NO", None: "—"}[r["greedy_equal"]]
+        if r["divergences"] and all(d["near_tie"] for d in r["divergences"]):
+            equal = "ties"
+        depth = " ".join(_fmt(a, ".2f") for a in r["tau_per_depth"][:4])
+        print(f"{r['method']:<14}{_fmt(r['budget'], 'd'):>6} {r['tau']:>5.2f} {r['speedup']:>8.2f} "
+              f"{r['speedup_iqr']:>5.2f} {_fmt(r['tokens_per_s'], '.1f'):>6} {r['compiles']:>8} {equal:>7}  {depth}",
+              file=file)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Prints the table (stdout) and progress (stderr); writes JSON with ``--json-out``.
+
+    Raises:
+      ValueError: unknown method, bad budgets, ``--limit``/``--repeats``/``--max-new-tokens``
+        below 1, a split given for a file, a missing ``--json-out`` folder, a bad ``--drafter``,
+        and whatever ``load_prompts``, ``api.load`` and ``bench.compare`` raise.
+    """
+    methods = _csv(args.methods, "methods")
+    budgets = _csv(args.budgets, "budgets", int)
+    drafters = _drafters(args.drafter)
+    for name in ("limit", "repeats", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1.")
+    if args.json_out and not Path(args.json_out).absolute().parent.is_dir():
+        raise ValueError(f"--json-out {args.json_out}: its folder does not exist.")
+
+    from treespark_jax.bench.compare import check_methods, compare
+    from treespark_jax.train.prompts import PROMPT_SETS, load_prompts, prompt_ids
+
+    check_methods(methods, budgets)
+    split = args.split or ("eval" if args.prompts in PROMPT_SETS else None)
+    records = load_prompts(args.prompts, split)[: args.limit]
+
+    from treespark_jax.api import load
+    from treespark_jax.decode.cost_model import current_device_kind
+
+    lm = load(target_name(args), args.dtype)
+    prompts = [prompt_ids(lm.tokenizer, r) for r in records]
+    rows = compare(lm, prompts, methods, budgets, temp=args.temp, max_new_tokens=args.max_new_tokens,
+                   repeats=args.repeats, seed=args.seed, drafters=drafters,
+                   progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"{lm.target.name}: {len(prompts)} prompts of {args.prompts}{f' ({split})' if split else ''} x "
+          f"{args.repeats} repeats, {args.max_new_tokens} new tokens, temp {args.temp}, batch 1 "
+          "(speedup: median over prompts x repeats, ± IQR)")
+    print_table(rows)
+    if args.json_out:
+        import jax
+
+        protocol = {"target": lm.target.name, "prompts": args.prompts, "split": split, "n_prompts": len(prompts),
+                    "prompt_ids": [r.id for r in records], "max_new_tokens": args.max_new_tokens,
+                    "repeats": args.repeats, "temp": args.temp, "seed": args.seed, "batch": 1,
+                    "dtype": args.dtype, "drafters": drafters or "shipped"}
+        machine = {"device": current_device_kind(), "processor": platform.processor() or platform.machine(),
+                   "cpu_count": os.cpu_count(), "jax": jax.__version__,
+                   "python": platform.python_version()}
+        Path(args.json_out).write_text(json.dumps({"protocol": protocol, "machine": machine, "rows": rows}, indent=2))
