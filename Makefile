@@ -22,7 +22,7 @@ install-test: $(VENV)/.test
 
 demo: install
 	$(PY) -m treespark_jax.cli models fetch smollm2-135m
-	$(PY) -m treespark_jax.cli generate --chat --prompt "$(PROMPT)" --max-new-tokens 96
+	$(PY) -m treespark_jax.cli generate --chat --prompt "$(PROMPT)" --max-new-tokens 128 --compare-ar
 
 # Three pytest processes, so that memory held by one group (real 0.5B weights, hundreds of
 # one-off compiled programs) never adds up with another's on a 24 GiB machine.

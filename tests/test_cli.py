@@ -16,10 +16,26 @@ def preset(smollm2_gguf):
 
 def test_generate_json_has_ids_text_and_stats(preset, capsys):
     assert main(["generate", "--preset", preset, "--prompt", "The capital of France is",
-                 "--max-new-tokens", "8", "--json"]) == 0
+                 "--max-new-tokens", "8", "--json", "--method", "ar"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["token_ids"]) == 8 and out["prompt_ids"] and out["text"]
+    assert len(out["token_ids"]) == 8 and out["prompt_ids"] and out["text"] and out["method"] == "ar"
     assert out["stats"]["target_forwards"] == 8 and out["stats"]["tokens_per_s"] > 0
+
+
+def test_default_method_uses_the_shipped_drafter_and_compares_with_ar(preset, capsys):
+    """What `make demo` runs: the default method (treespark with the shipped drafter) against AR."""
+    from treespark_jax.drafters import default_method, shipped_drafter
+
+    assert shipped_drafter(preset, "treespark") is not None and default_method(preset) == "treespark"
+    assert main(["generate", "--preset", preset, "--chat", "--prompt", "What is 12 times 7? Think step by step.",
+                 "--max-new-tokens", "32", "--compare-ar", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "treespark" and out["ar"]["identical"] is True
+    assert out["token_ids"] == out["ar"]["token_ids"] and out["stats"]["tau"] > 1.0
+    assert out["ar"]["speedup"] > 0 and out["ar"]["stats"]["tau"] == 1.0
+    assert main(["generate", "--preset", preset, "--prompt", "Hi", "--max-new-tokens", "4", "--compare-ar"]) == 0
+    err = capsys.readouterr().err
+    assert "speedup of treespark over AR" in err and "greedy output identical to AR: yes" in err
 
 
 def test_prompt_lookup_method_matches_greedy_ar(preset, capsys):

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from treespark_jax.config import DrafterConfig
-from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, read_meta, save_drafter
+from treespark_jax.drafter.checkpoint import TargetBinding, export_drafter, load_drafter, read_meta, save_drafter
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.models.load import Target
 from treespark_jax.models.presets import PRESETS
@@ -84,6 +84,18 @@ def test_restore_casts_to_a_requested_dtype(saved, drafter, binding):
     loaded, _ = load_drafter(saved, binding, dtype=jnp.bfloat16)
     assert loaded.dtype == jnp.bfloat16 and loaded.fc[...].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(loaded.fc[...]), np.asarray(drafter.fc[...].astype(jnp.bfloat16)))
+
+
+def test_export_stores_bfloat16_and_loads_back_as_float32(tmp_path, saved, drafter, binding):
+    out = export_drafter(saved, tmp_path / "bf16")
+    meta = read_meta(out)
+    assert meta.dtype == "bfloat16" and meta.binding == binding and meta.training == read_meta(saved).training
+    loaded, _ = load_drafter(out, binding, dtype=jnp.float32)
+    assert loaded.fc[...].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(loaded.fc[...]),
+                                  np.asarray(drafter.fc[...].astype(jnp.bfloat16).astype(jnp.float32)))
+    with pytest.raises(ValueError, match="already exists"):
+        export_drafter(saved, out)
 
 
 @pytest.mark.parametrize("field, other", [("vocab_size", tiny_config("qwen2", vocab_size=101)),

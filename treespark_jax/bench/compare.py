@@ -88,7 +88,7 @@ def check_methods(methods: Sequence[str], budgets: Sequence[int]) -> None:
 
 def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[str], budgets: Sequence[int], *,
             temp: float = 0.0, max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
-            drafters: Mapping[str, str] | None = None,
+            drafters: Mapping[str, str] | None = None, builder: str | None = None, verify: str | None = None,
             progress: Callable[[str], None] | None = None) -> list[dict]:
     """Benchmarks ``methods`` at each of ``budgets`` against AR on ``prompts``, at batch 1.
 
@@ -103,10 +103,13 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
       repeats: passes over the prompts (AR and every row interleaved in each pass).
       seed: sampling seed.
       drafters: drafter per method (checkpoint path or ``"random"``); default the shipped ones.
+      builder, verify: override the tree builder / verify rule of every drafter method (ablations
+        on a fixed drafter); ``None`` keeps each recipe's.
       progress: called with a short line after each prompt of each repeat.
 
     Returns:
       One dict per row, ``ar`` first: ``method``, ``budget`` (``None`` for ``ar``), ``temp``,
+      ``builder``, ``verify`` and ``stop`` (speculative rows),
       ``tau``, ``tau_per_depth``, ``speedup``, ``speedup_iqr``, ``tokens_per_s``, ``compiles``,
       ``greedy_equal``, ``divergences`` (module docstring).
 
@@ -124,9 +127,10 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
     for m in methods:
         if m == "ar":
             continue
-        drafter = drafters.get(m) if recipe(m).proposer == "block" else None
+        block = recipe(m).proposer == "block"
         for b in budgets:
-            specs[(m, b)] = lm.speculation(m, b, drafter=drafter)
+            specs[(m, b)] = lm.speculation(m, b, drafter=drafters.get(m) if block else None,
+                                           builder=builder if block else None, verify=verify if block else None)
     engine = lm.engine
     ar, rows = _Tally(), {key: _Tally() for key in specs}
 
@@ -152,7 +156,10 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
     if "ar" in methods:
         results.append(_row("ar", None, temp, ar, ar, lm, prompts, repeats))
     for (m, b), tally in rows.items():
-        results.append(_row(m, b, temp, tally, ar, lm, prompts, repeats))
+        spec = specs[(m, b)]
+        results.append(_row(m, b, temp, tally, ar, lm, prompts, repeats)
+                       | {"builder": spec.tree.builder, "verify": spec.tree.verify if temp > 0 else "greedy",
+                          "stop": spec.tree.stop})
     return results
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from treespark_jax.cli.common import add_target_args, target_name
+from treespark_jax.config import BUILDERS, VERIFY_RULES
 from treespark_jax.methods import DRAFTER_METHODS, METHODS
 
 ALL_METHODS = ",".join(METHODS)
@@ -37,6 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     b.add_argument("--drafter", action="append", default=[], metavar="METHOD=PATH",
                    help="drafter checkpoint for one method (repeatable; default the shipped drafters)")
+    b.add_argument("--builder", default=None, choices=BUILDERS,
+                   help="override the tree builder of every drafter method (ablation on a fixed drafter)")
+    b.add_argument("--verify", default=None, choices=VERIFY_RULES,
+                   help="override the verify rule at temp > 0 of every drafter method")
     b.add_argument("--json-out", default=None, metavar="FILE", help="also write protocol and rows as JSON")
 
 
@@ -110,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = [prompt_ids(lm.tokenizer, r) for r in records]
     rows = compare(lm, prompts, methods, budgets, temp=args.temp, max_new_tokens=args.max_new_tokens,
                    repeats=args.repeats, seed=args.seed, drafters=drafters,
-                   progress=lambda line: print(line, file=sys.stderr, flush=True))
+                   builder=args.builder, verify=args.verify, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"{lm.target.name}: {len(prompts)} prompts of {args.prompts}{f' ({split})' if split else ''} x "
           f"{args.repeats} repeats, {args.max_new_tokens} new tokens, temp {args.temp}, batch 1 "
           "(speedup: median over prompts x repeats, ± IQR)")
@@ -121,7 +126,8 @@ def run(args: argparse.Namespace) -> None:
         protocol = {"target": lm.target.name, "prompts": args.prompts, "split": split, "n_prompts": len(prompts),
                     "prompt_ids": [r.id for r in records], "max_new_tokens": args.max_new_tokens,
                     "repeats": args.repeats, "temp": args.temp, "seed": args.seed, "batch": 1,
-                    "dtype": args.dtype, "drafters": drafters or "shipped"}
+                    "dtype": args.dtype, "drafters": drafters or "shipped", "builder": args.builder,
+                    "verify": args.verify}
         machine = {"device": current_device_kind(), "processor": platform.processor() or platform.machine(),
                    "cpu_count": os.cpu_count(), "jax": jax.__version__,
                    "python": platform.python_version()}

@@ -37,12 +37,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--mesh", default=None, metavar="data=N,model=M",
                      help="devices per mesh axis, e.g. data=2,model=4: rows over data, the target's heads "
                           "and MLP width over model (default: every local device on data)")
+    gen.add_argument("--compare-ar", action="store_true",
+                     help="also decode the prompt autoregressively in this process and report the speedup "
+                          "(tokens/s of the method ÷ AR's, prefill and compilation excluded) and, at temp 0, "
+                          "whether the outputs are identical")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (method, prompt, prompt_ids, token_ids, text, stats)")
 
 
 def run(args: argparse.Namespace) -> None:
-    """Prints the reply on stdout (or one JSON object with ``--json``) and a stats line on stderr.
+    """Prints the reply on stdout (or one JSON object with ``--json``) and stats lines on stderr
+    (with ``--compare-ar`` also AR's and the speedup; the JSON then has an ``ar`` object).
 
     Raises:
       ValueError: bad input found by ``api.load`` or ``generate`` (an unknown preset, a corrupt
@@ -56,16 +61,33 @@ def run(args: argparse.Namespace) -> None:
     result = lm.generate(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens,
                          temp=args.temp, top_p=args.top_p, seed=args.seed, method=method,
                          budget=args.budget, drafter=args.drafter, builder=args.builder, verify=args.verify)
-    stats = result.stats
-    stats_json = {"new_tokens": stats.new_tokens, "tokens_per_s": stats.tokens_per_s,
-                  "target_forwards": stats.target_forwards, "compiles": stats.compiles,
-                  "prefill_s": stats.prefill_s, "decode_s": stats.decode_s, "tau": stats.tau,
-                  "tau_per_depth": stats.tau_per_depth, "rung_rounds": stats.rung_rounds}
+    out = {"method": method, "prompt": result.prompt, "prompt_ids": result.prompt_ids,
+           "token_ids": result.token_ids, "text": result.text, "stats": _stats_json(result.stats)}
+    lines = [f"[{method}] {_stats_line(result.stats)}"]
+    if args.compare_ar:
+        ar = lm.generate(args.prompt, chat=args.chat, max_new_tokens=args.max_new_tokens, temp=args.temp,
+                         top_p=args.top_p, seed=args.seed, method="ar")
+        speedup = result.stats.tokens_per_s / ar.stats.tokens_per_s
+        same = ar.token_ids == result.token_ids if args.temp == 0 else None
+        out["ar"] = {"token_ids": ar.token_ids, "stats": _stats_json(ar.stats), "speedup": speedup,
+                     "identical": same}
+        lines.append(f"[ar] {_stats_line(ar.stats)}")
+        lines.append(f"speedup of {method} over AR: {speedup:.2f}x (same process, decode only)"
+                     + ("" if same is None else f"; greedy output identical to AR: {'yes' if same else 'NO'}"))
     if args.json:
-        print(json.dumps({"method": method, "prompt": result.prompt, "prompt_ids": result.prompt_ids,
-                          "token_ids": result.token_ids, "text": result.text, "stats": stats_json}))
+        print(json.dumps(out))
         return
     print(result.text)
-    print(f"\n[{method}] {stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, τ {stats.tau:.2f}, "
-          f"{stats.target_forwards} target forwards, {stats.compiles} programs compiled",
-          file=sys.stderr)
+    print("\n" + "\n".join(lines), file=sys.stderr)
+
+
+def _stats_json(stats) -> dict:
+    return {"new_tokens": stats.new_tokens, "tokens_per_s": stats.tokens_per_s,
+            "target_forwards": stats.target_forwards, "compiles": stats.compiles, "prefill_s": stats.prefill_s,
+            "decode_s": stats.decode_s, "tau": stats.tau, "tau_per_depth": stats.tau_per_depth,
+            "rung_rounds": stats.rung_rounds}
+
+
+def _stats_line(stats) -> str:
+    return (f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, τ {stats.tau:.2f}, "
+            f"{stats.target_forwards} target forwards, {stats.compiles} programs compiled")

@@ -273,3 +273,16 @@ def warm_start(drafter: BlockDrafter, source: BlockDrafter) -> int:
     keep = [(k, loaded[k] if k in loaded and loaded[k].shape == v.shape else v) for k, v in fresh]
     nnx.update(drafter, nnx.from_flat_state(keep))
     return sum(k in loaded and loaded[k].shape == v.shape for k, v in fresh)
+
+
+def export_drafter(src: str | Path, dst: str | Path, dtype: str = "bfloat16", *, overwrite: bool = False) -> Path:
+    """Copies the drafter at ``src`` to ``dst`` with parameters stored in ``dtype`` (e.g. the
+    bfloat16 checkpoints shipped in ``treespark_jax/drafters``: half the bytes; loading casts
+    back to the compute dtype). Binding and training record are kept.
+
+    Raises:
+      ValueError: as ``read_meta`` / ``load_drafter`` for ``src``, as ``save_drafter`` for ``dst``.
+    """
+    meta = read_meta(src)
+    drafter, _ = load_drafter(src, meta.binding, dtype=jnp.dtype(dtype))
+    return save_drafter(dst, drafter, meta.binding, training=meta.training, overwrite=overwrite)
