@@ -206,6 +206,42 @@ def test_feature_of_layer_l_is_the_output_of_zero_based_decoder_layer_l():
     assert drafter.fc.shape == (5 * smol.d_model, smol.d_model)
 
 
+def test_a_shallower_proposal_is_the_first_slots_of_the_full_one(target32):
+    """``depth`` only drops slots: every field of the kept depths is unchanged (block size 4)."""
+    drafter = make_drafter(target32)
+    feats = target_features(target32, np.arange(12)[None], LAYER_IDS)
+    full = first_proposal(BlockProposer.create(drafter, target32), feats, 5)
+    for depth in (1, 3):
+        short = first_proposal(BlockProposer.create(drafter, target32, depth=depth), feats, 5)
+        assert short.block_size == depth
+        for name in ("pool_ids", "pool_logits", "markov_child", "hidden", "confidence_bias", "edge_bias",
+                     "edge_child"):
+            np.testing.assert_allclose(getattr(short, name), getattr(full, name)[:, :depth], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(short.edge_scale, full.edge_scale[:depth])
+    with pytest.raises(ValueError, match="depth=5 must lie in 1..4"):
+        BlockProposer.create(drafter, target32, depth=5)
+
+
+def test_a_draft_vocabulary_holding_the_pool_gives_the_same_proposal(target32):
+    drafter = make_drafter(target32)
+    feats = target_features(target32, np.arange(12)[None], LAYER_IDS)
+    full = first_proposal(BlockProposer.create(drafter, target32), feats, 5)
+    pool = np.unique(np.asarray(full.pool_ids))
+    rest = np.setdiff1d(np.arange(97), pool)
+    ids = np.random.default_rng(1).permutation(np.concatenate([pool, rest[: 70 - len(pool)]]))
+    small = first_proposal(BlockProposer.create(drafter.with_draft_vocab(ids), target32), feats, 5)
+    np.testing.assert_array_equal(small.pool_ids, full.pool_ids)
+    for name in ("pool_logits", "markov_child", "edge_child", "hidden"):
+        np.testing.assert_allclose(getattr(small, name), getattr(full, name), rtol=1e-5, atol=1e-5)
+    # Ids outside the pool change it: the top-M now comes from the draft vocabulary only.
+    other = first_proposal(BlockProposer.create(drafter.with_draft_vocab(rest[:40]), target32), feats, 5)
+    assert set(np.asarray(other.pool_ids).ravel()) <= set(rest[:40].tolist())
+    with pytest.raises(ValueError, match="distinct token ids"):
+        drafter.with_draft_vocab(np.full(40, 3))
+    with pytest.raises(ValueError, match="at least the pool size 16"):
+        drafter.with_draft_vocab(np.arange(8))
+
+
 def test_markov_head_makes_children_depend_on_the_parent(target32):
     feats = target_features(target32, np.arange(12)[None], LAYER_IDS)
     tops = {}

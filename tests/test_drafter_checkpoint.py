@@ -96,6 +96,9 @@ def test_export_stores_bfloat16_and_loads_back_as_float32(tmp_path, saved, draft
                                   np.asarray(drafter.fc[...].astype(jnp.bfloat16).astype(jnp.float32)))
     with pytest.raises(ValueError, match="already exists"):
         export_drafter(saved, out)
+    ids = np.arange(drafter.target_cfg.vocab_size)[::-1][: drafter.cfg.pool_size + 3]
+    small, meta = load_drafter(export_drafter(saved, tmp_path / "vocab", draft_vocab=ids), binding)
+    assert meta.cfg.draft_vocab == len(ids) and np.asarray(small.draft_vocab[...]).tolist() == ids.tolist()
 
 
 @pytest.mark.parametrize("field, other", [("vocab_size", tiny_config("qwen2", vocab_size=101)),

@@ -48,6 +48,15 @@ def test_greedy_output_of_every_drafter_method_equals_greedy_ar(target64, ar_ref
     assert stats.tau >= 1.0 and stats.target_forwards < 40 * len(SPEC_PROMPTS)
 
 
+def test_a_draft_vocabulary_keeps_greedy_output_equal_to_ar(target64, ar_reference):
+    """Drafting from 40 of the 97 tokens (most targets' argmaxes lie outside) changes τ, never the output."""
+    ids = np.random.default_rng(0).choice(target64.cfg.vocab_size, 40, replace=False)
+    drafter = random_drafter(target64, "treespark").with_draft_vocab(ids)
+    spec = speculation("treespark", target64, 12, drafter=drafter)
+    out, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40, spec=spec)
+    assert out == ar_reference and stats.tau >= 1.0
+
+
 @pytest.mark.parametrize("method", ["dspark", "treespark"])
 def test_sampled_generation_runs_with_the_recipes_rejection_rule(target64, method):
     spec = speculation(method, target64, 12, drafter=random_drafter(target64, method))

@@ -390,3 +390,21 @@ def test_data_parallel_on_8_devices_and_a_checkpoint_restored_on_1(tmp_path, tin
                 target=str(tiny_dir), drafter_fields={"block_size": 4}, progress=False)
     assert (run.start_step, run.step, run.finished) == (2, 4, True)
     assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_frequency_ranked_draft_vocabulary(tmp_path, target):
+    from treespark_jax.train.draft_vocab import coverage, frequency_ranked_vocab
+
+    rs = open_rollouts(write_tiny_rollouts(target, tmp_path / "r", records=8))
+    v = target.cfg.vocab_size
+    response = np.zeros(v, int)
+    for i in range(len(rs)):
+        t, m = np.asarray(rs[i]["tokens"]), np.asarray(rs[i]["loss_mask"], bool)
+        np.add.at(response, t[m], 1)
+    ids = frequency_ranked_vocab(rs, 64, v)
+    assert len(set(ids.tolist())) == 64 and np.all(np.diff(response[ids]) <= 0)  # most-predicted first
+    seen = int((response > 0).sum())
+    assert coverage(rs, frequency_ranked_vocab(rs, seen, v), v) == 1.0
+    assert coverage(rs, ids[:1], v) == response.max() / response.sum()
+    with pytest.raises(ValueError, match="must lie in 1..{}".format(v)):
+        frequency_ranked_vocab(rs, v + 1, v)

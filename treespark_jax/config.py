@@ -160,10 +160,15 @@ class DrafterConfig:
       confidence_head: has the DSpark confidence head ``c_j``.
       edge_head: has the TreeSpark edge head (else the Proposal carries the untrained head's
         Platt terms ``a = 1``, ``w = 0``, ``b = 0``).
+      draft_vocab: K, size of the draft vocabulary: at inference the LM head over the block
+        slots and the top-``M`` pool cover only these K token ids, the most frequent in the
+        training rollouts (frequency-ranked drafting, as EAGLE-3's reduced draft vocabulary and
+        FR-Spec); 0 = the whole vocabulary. Exact either way: the proposal distribution is
+        what the drafter samples from, and verification never depends on the drafter.
 
     Raises:
-      ValueError: on an empty, repeated or negative layer id, ``n_layers`` outside 1–5, or a
-        non-positive block/pool size or a negative rank.
+      ValueError: on an empty, repeated or negative layer id, ``n_layers`` outside 1–5, a
+        non-positive block/pool size, a negative rank, or a draft vocabulary smaller than the pool.
     """
 
     target_layer_ids: tuple[int, ...]
@@ -173,6 +178,7 @@ class DrafterConfig:
     markov_rank: int = 0
     confidence_head: bool = False
     edge_head: bool = False
+    draft_vocab: int = 0
 
     def __post_init__(self):
         ids = tuple(self.target_layer_ids)
@@ -186,6 +192,9 @@ class DrafterConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank={self.markov_rank} must be 0 (no Markov head) or more.")
+        if self.draft_vocab and self.draft_vocab < self.pool_size:
+            raise ValueError(f"draft_vocab={self.draft_vocab} must be 0 (whole vocabulary) or at least the "
+                             f"pool size {self.pool_size}.")
 
     @classmethod
     def for_target(cls, target: ModelConfig, m: int = 5, **fields) -> "DrafterConfig":

@@ -137,4 +137,4 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     n = min(budget, gamma) if chain else budget
     tree = TreeConfig(budget=n, max_depth=min(n, gamma), branch=1 if chain else TREE_BRANCH,
                       builder=builder, verify=verify, stop=(r.stop or builder == "treespark") and n > 1)
-    return Speculation(BlockProposer.create(drafter, target), tree)
+    return Speculation(BlockProposer.create(drafter, target, depth=tree.max_depth), tree)

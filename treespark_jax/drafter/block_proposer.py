@@ -36,11 +36,13 @@ class DrafterWeights:
       params: the drafter's trainable parameters (``nnx.State``).
       head: the target's frozen embedding and LM head.
       token_terms: ``[3, V]`` per-token head terms derived from both (``BlockDrafter.token_terms``).
+      draft_head: ``head`` restricted to the drafter's draft vocabulary, or ``None`` (whole vocabulary).
     """
 
     params: nnx.State
     head: TargetHead
     token_terms: Float[Array, "3 V"]
+    draft_head: TargetHead | None = None
 
 
 @struct.dataclass
@@ -63,30 +65,43 @@ class BlockProposer:
       cfg: the drafter's configuration.
       graphdef: the drafter's NNX graph definition.
       weights: parameters, the target's head and the derived edge terms.
+      depth: depths the Proposal covers (the tree's ``max_depth``, at most the block size).
     """
 
     cfg: DrafterConfig
     graphdef: nnx.GraphDef
     weights: DrafterWeights = dataclasses.field(compare=False, hash=False)
+    depth: int | None = None
 
     @classmethod
-    def create(cls, drafter: BlockDrafter, target: Decoder) -> "BlockProposer":
+    def create(cls, drafter: BlockDrafter, target: Decoder, depth: int | None = None) -> "BlockProposer":
         """Binds ``drafter`` to ``target``'s embedding and LM head (shared, not copied into params).
 
+        Args:
+          drafter: the block drafter.
+          target: its target.
+          depth: propose only depths ``1..depth`` (a tree's ``max_depth``); default the block size.
+
         Raises:
-          ValueError: when the drafter was built for a different target architecture.
+          ValueError: when the drafter was built for a different target architecture, or
+            ``depth`` is outside ``1..block_size``.
         """
         if drafter.target_cfg != target.cfg:
             raise ValueError(f"the drafter was built for target {drafter.target_cfg}, not for {target.cfg}.")
+        if depth is not None and not 1 <= depth <= drafter.cfg.block_size:
+            raise ValueError(f"depth={depth} must lie in 1..{drafter.cfg.block_size}, the drafter's block size.")
         graphdef, params = nnx.split(drafter)
         head = TargetHead.of(target, drafter.dtype)
+        draft_head = None if drafter.draft_vocab is None else head.restricted(drafter.draft_vocab[...])
         return cls(cfg=drafter.cfg, graphdef=graphdef,
-                   weights=DrafterWeights(params=params, head=head, token_terms=drafter.token_terms(head)))
+                   weights=DrafterWeights(params=params, head=head, token_terms=drafter.token_terms(head),
+                                          draft_head=draft_head),
+                   depth=depth)
 
     @property
     def block_size(self) -> int:
         """P, depths the Proposal covers."""
-        return self.cfg.block_size
+        return self.depth or self.cfg.block_size
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -121,7 +136,9 @@ class BlockProposer:
     def propose(self, state: DrafterState, anchor: Int[Array, "B"], keys) -> Proposal:
         """One block forward from each row's anchor (deterministic: ``keys`` are not used)."""
         drafter = self.drafter(state.weights)
-        return drafter.proposal(drafter(anchor, state.context, state.weights.head), state.weights.token_terms)
+        w = state.weights
+        out = drafter(anchor, state.context, w.head, depth=self.depth, draft_head=w.draft_head)
+        return drafter.proposal(out, w.token_terms, None if w.draft_head is None else w.draft_head.vocab_ids)
 
     def update(self, state: DrafterState, committed: Committed) -> DrafterState:
         """Appends the features of the ``committed.n`` committed rows (anchor first).

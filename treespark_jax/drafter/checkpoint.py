@@ -275,14 +275,26 @@ def warm_start(drafter: BlockDrafter, source: BlockDrafter) -> int:
     return sum(k in loaded and loaded[k].shape == v.shape for k, v in fresh)
 
 
-def export_drafter(src: str | Path, dst: str | Path, dtype: str = "bfloat16", *, overwrite: bool = False) -> Path:
+def export_drafter(src: str | Path, dst: str | Path, dtype: str = "bfloat16", *, draft_vocab=None,
+                   overwrite: bool = False) -> Path:
     """Copies the drafter at ``src`` to ``dst`` with parameters stored in ``dtype`` (e.g. the
     bfloat16 checkpoints shipped in ``treespark_jax/drafters``: half the bytes; loading casts
-    back to the compute dtype). Binding and training record are kept.
+    back to the compute dtype), optionally with a draft vocabulary. Binding and training
+    record are kept.
+
+    Args:
+      src, dst: checkpoint directories.
+      dtype: storage dtype of the copy.
+      draft_vocab: ``[K]`` token ids the copy drafts from (``BlockDrafter.with_draft_vocab``),
+        e.g. ``train.draft_vocab.frequency_ranked_vocab``; ``None`` keeps the source's.
+      overwrite: replace an existing ``dst``.
 
     Raises:
-      ValueError: as ``read_meta`` / ``load_drafter`` for ``src``, as ``save_drafter`` for ``dst``.
+      ValueError: as ``read_meta`` / ``load_drafter`` for ``src``, as ``save_drafter`` for
+        ``dst``, as ``BlockDrafter.set_draft_vocab`` for ``draft_vocab``.
     """
     meta = read_meta(src)
     drafter, _ = load_drafter(src, meta.binding, dtype=jnp.dtype(dtype))
+    if draft_vocab is not None:
+        drafter = drafter.with_draft_vocab(draft_vocab)
     return save_drafter(dst, drafter, meta.binding, training=meta.training, overwrite=overwrite)

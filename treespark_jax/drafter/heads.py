@@ -67,7 +67,7 @@ class EdgeHead(nnx.Module):
     def proposal_terms(self, hidden: Float[Array, "B P D"], pool_ids: Int[Array, "B P M"],
                        token_terms: Float[Array, "2 V"]) -> dict[str, jax.Array]:
         """The Proposal's ``edge_scale [P]``, ``edge_bias [B, P]``, ``edge_parent [V]``, ``edge_child [B, P, M]``."""
-        return dict(edge_scale=self.scale[...], edge_bias=self.bias[...] + hidden @ self.w_hidden[...],
+        return dict(edge_scale=self.scale[...][: hidden.shape[1]], edge_bias=self.bias[...] + hidden @ self.w_hidden[...],
                     edge_parent=token_terms[0], edge_child=token_terms[1][pool_ids])
 
 

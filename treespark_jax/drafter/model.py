@@ -12,8 +12,11 @@ context keys/values in every layer).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from treespark_jax.config import DrafterConfig, ModelConfig
@@ -35,10 +38,13 @@ class TargetHead:
     Attributes:
       embed: ``[V, D]`` token embedding (also the head when ``lm_head`` is ``None``).
       lm_head: ``[D, V]`` untied LM head, or ``None`` for tied embeddings.
+      vocab_ids: ``[V]`` int32 the token id of each row of a restricted head (``restricted``),
+        ``None`` for the target's whole head (row ``i`` is token ``i``).
     """
 
     embed: Float[Array, "V D"]
     lm_head: Float[Array, "D V"] | None
+    vocab_ids: Int[Array, "V"] | None = None
 
     @classmethod
     def of(cls, target: Decoder, dtype) -> "TargetHead":
@@ -49,6 +55,16 @@ class TargetHead:
     def logits(self, hidden: Float[Array, "B P D"]) -> Float[Array, "B P V"]:
         """LM-head logits of final-norm hidden states."""
         return lm_logits(hidden, self.embed, self.lm_head)
+
+    def restricted(self, ids: Int[Array, "K"]) -> "TargetHead":
+        """The head over the token ids ``ids`` only (a draft vocabulary): logits ``[..., K]``."""
+        ids = jnp.asarray(ids, jnp.int32)
+        lm_head = None if self.lm_head is None else self.lm_head[:, ids]
+        return TargetHead(embed=self.embed[ids], lm_head=lm_head, vocab_ids=ids)
+
+
+class DraftVocab(nnx.Variable):
+    """The token ids of a drafter's draft vocabulary (``DrafterConfig.draft_vocab``); not trained."""
 
 
 @struct.dataclass
@@ -110,6 +126,35 @@ class BlockDrafter(nnx.Module):
                        if cfg.markov_rank else None)
         self.edge = EdgeHead(cfg.block_size, d, dtype) if cfg.edge_head else None
         self.confidence = ConfidenceHead(d, dtype) if cfg.confidence_head else None
+        self.draft_vocab = (DraftVocab(jnp.arange(cfg.draft_vocab, dtype=jnp.int32)) if cfg.draft_vocab
+                            else None)  # the real ids come from a checkpoint (``set_draft_vocab``)
+
+    def with_draft_vocab(self, ids) -> "BlockDrafter":
+        """A copy of this drafter (same parameters) that drafts from the token ids ``ids`` only.
+
+        Raises:
+          ValueError: as ``set_draft_vocab``, or fewer ids than the pool size.
+        """
+        cfg = dataclasses.replace(self.cfg, draft_vocab=len(ids))
+        out = BlockDrafter(cfg, self.target_cfg, rngs=nnx.Rngs(0), dtype=self.dtype)
+        nnx.update(out, nnx.state(self, nnx.Param))
+        out.set_draft_vocab(ids)
+        return out
+
+    def set_draft_vocab(self, ids) -> None:
+        """Sets the draft vocabulary to the distinct token ids ``ids`` (``[draft_vocab]``).
+
+        Raises:
+          ValueError: a drafter without a draft vocabulary, ids of the wrong count, repeated
+            ids, or ids outside the target's vocabulary.
+        """
+        ids = np.asarray(ids)
+        v = self.target_cfg.vocab_size
+        if self.draft_vocab is None or ids.shape != (self.cfg.draft_vocab,):
+            raise ValueError(f"expected {self.cfg.draft_vocab} draft-vocabulary ids, got shape {ids.shape}.")
+        if len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= v:
+            raise ValueError(f"draft-vocabulary ids must be distinct token ids in 0..{v - 1}.")
+        self.draft_vocab[...] = jnp.asarray(ids, jnp.int32)
 
     def empty_context(self, batch: int, capacity: int) -> KVCache:
         """A context cache of ``capacity`` positions (tokens) per row, all rows empty."""
@@ -167,7 +212,8 @@ class BlockDrafter(nnx.Module):
         mask = jnp.broadcast_to(self.mask_embed[...], (b, p - 1, self.mask_embed.shape[0]))
         return jnp.concatenate([head.embed[anchor][:, None].astype(self.dtype), mask], axis=1)
 
-    def __call__(self, anchor: Int[Array, "B"], context: KVCache, head: TargetHead) -> DrafterOutput:
+    def __call__(self, anchor: Int[Array, "B"], context: KVCache, head: TargetHead,
+                 depth: int | None = None, draft_head: TargetHead | None = None) -> DrafterOutput:
         """One block forward: slot ``j`` at position ``context.lengths + j`` predicts depth ``j + 1``.
 
         Queries come from the block; keys/values are the context cache's committed slots
@@ -178,9 +224,14 @@ class BlockDrafter(nnx.Module):
             the context yet: its features come from its own verification).
           context: the context cache, ``lengths[b]`` = committed positions of row ``b``.
           head: the target's embedding and LM head.
+          depth: keep only the first ``depth`` slots' outputs (static; default all ``P``): a tree
+            no deeper than ``depth`` needs no more, and the LM head over the slots is the
+            largest part of the pass. All ``P`` slots still run through the layers, as in training.
+          draft_head: ``head.restricted(draft vocabulary)``: logits over those ``K`` ids only.
 
         Returns:
-          ``DrafterOutput`` with ``h_j [B, P, D]`` and ``U_j [B, P, V]``.
+          ``DrafterOutput`` with ``h_j [B, P', D]`` and ``U_j [B, P', V]`` (``[B, P', K]`` with
+          ``draft_head``), ``P' = depth or P``.
         """
         p = self.cfg.block_size
         x = self.block_inputs(anchor, head)
@@ -189,8 +240,8 @@ class BlockDrafter(nnx.Module):
         committed = jnp.arange(context.capacity)[None, None, :] < context.lengths[:, None, None]
         mask = jnp.concatenate([jnp.broadcast_to(committed, (b, p, context.capacity)),
                                 jnp.ones((b, p, p), bool)], axis=2)
-        hidden = self.blocks(x, positions, list(zip(context.k, context.v)), mask)
-        return DrafterOutput(hidden=hidden, logits=head.logits(hidden))
+        hidden = self.blocks(x, positions, list(zip(context.k, context.v)), mask)[:, :depth]
+        return DrafterOutput(hidden=hidden, logits=(draft_head or head).logits(hidden))
 
     def blocks(self, x: Float[Array, "B Q D"], positions: Int[Array, "B Q"],
                context_kv: list[tuple[Float[Array, "B S K E"], Float[Array, "B S K E"]]],
@@ -264,23 +315,26 @@ class BlockDrafter(nnx.Module):
                 else jnp.zeros((v,), self.dtype))
         return jnp.concatenate([edge, conf[None].astype(edge.dtype)], axis=0)
 
-    def proposal(self, out: DrafterOutput, token_terms: Float[Array, "3 V"]) -> Proposal:
+    def proposal(self, out: DrafterOutput, token_terms: Float[Array, "3 V"],
+                 vocab_ids: Int[Array, "K"] | None = None) -> Proposal:
         """The round's Proposal: top-``M`` pool of each ``U_j`` plus the heads' factors.
 
         Args:
           out: the block forward.
           token_terms: ``[3, V]`` from ``token_terms`` (same weights).
+          vocab_ids: ``[K]`` the token id of each logit column when ``out`` was computed with a
+            draft head (``TargetHead.vocab_ids``); ``None`` for whole-vocabulary logits.
 
         Returns:
           ``Proposal`` with ``pool_ids [B, P, M]`` (candidates by descending ``U_j``) and float
           fields in the drafter's dtype; ``R = 0`` Markov factors without a Markov head, and no
           confidence fields without a confidence head.
         """
-        b, p, v = out.logits.shape
-        m = self.cfg.pool_size
+        b, p, _ = out.logits.shape
+        v, m = self.target_cfg.vocab_size, self.cfg.pool_size
         # Row-parallel on a data mesh: XLA would all-gather [B, P, V] over the batch for top_k.
         pool_logits, pool_ids = data_parallel(lambda x: tuple(jax.lax.top_k(x, m)), (0,), (0, 0))(out.logits)
-        pool_ids = pool_ids.astype(jnp.int32)
+        pool_ids = pool_ids.astype(jnp.int32) if vocab_ids is None else vocab_ids[pool_ids]
         if self.markov is None:
             markov = jnp.zeros((v, 0), self.dtype), jnp.zeros((b, p, 0, m), self.dtype)
         else:
