@@ -6,6 +6,8 @@
 #   4. a treespark drafter warm-started from the dspark one, trained on the on-policy trees
 #      (of the $ONPOLICY sets; plain rollouts of the others, whose tree slots stay empty)
 #   5. offline evaluation of all three on the held-out (eval) split
+#   6. export: the three drafters in bfloat16, drafting from the DRAFT_VOCAB most frequent tokens of the
+#      training rollouts, into treespark_jax/drafters/smollm2-135m/ (shipped with the package)
 # Every stage resumes where it stopped when the script is run again (rollouts skip finished
 # prompts, training resumes from its last checkpoint), so it can be run in pieces:
 #   experiments/train_drafters.sh [STAGE...]      e.g. `experiments/train_drafters.sh rollouts dspark`
@@ -18,12 +20,13 @@ DATA=${DATA:-experiments/data}
 LIMIT=${LIMIT:-192}            # training prompts per set (GSM8K has 1,287; HumanEval 132; MT-Bench 48)
 NEW=${NEW:-128}                # new tokens per rollout
 STEPS=${STEPS:-600}            # optimizer steps per drafter
-BATCH=${BATCH:-8}              # sequences per step
+BATCH=${BATCH:-4}              # sequences per step
 SEQ=${SEQ:-384}                # tokens per sequence (prompt + response, longer ones are cut)
 ANCHORS=${ANCHORS:-16}         # gold-chain blocks per sequence
 BUDGET=${BUDGET:-16}           # tree budget of the on-policy rollouts
 SETS="gsm8k humaneval mtbench"
 ONPOLICY=${ONPOLICY:-gsm8k}    # sets whose on-policy trees are logged (the others stay plain; CPU time)
+DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary of the shipped drafters (most frequent training tokens)
 T="$PY -m treespark_jax.cli"
 TRAIN_ARGS="--steps $STEPS --batch $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
 
@@ -60,7 +63,23 @@ stage_eval() {
   done
 }
 
-for stage in ${@:-rollouts dflash dspark onpolicy treespark eval}; do
+stage_export() {  # bfloat16 copies drafting from the DRAFT_VOCAB most frequent tokens of the training rollouts
+  $PY - "$DATA" "$DRAFT_VOCAB" $(plain train) <<'PY'
+import sys
+from treespark_jax.drafter.checkpoint import export_drafter
+from treespark_jax.train.draft_vocab import frequency_ranked_vocab
+from treespark_jax.train.rollouts import open_rollouts
+
+data, k, train = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+rollouts = open_rollouts(train)
+ids = frequency_ranked_vocab(rollouts, k, rollouts.binding.vocab_size)
+for name in ("dflash", "dspark", "treespark"):
+    print(export_drafter(f"{data}/{name}/drafter", f"treespark_jax/drafters/smollm2-135m/{name}", draft_vocab=ids,
+                         overwrite=True))
+PY
+}
+
+for stage in ${@:-rollouts dflash dspark onpolicy treespark eval export}; do
   echo "== $stage"
   "stage_$stage"
 done
