@@ -8,13 +8,17 @@ One process, one loaded target (``smollm2-135m`` in float32 with the shipped dra
    builder at the largest budget, temp 0, on the first set;
 3. a plot of τ and speedup against budget per method (temp 0, one column per set),
    ``results_tau_speedup.png`` next to RESULTS.md;
-4. ``RESULTS.md`` (next to this script): machine, protocol, tables, plot and the comparisons
-   the acceptance criteria ask about, computed from the rows (nothing is typed by hand).
+4. ``RESULTS.md`` (next to this script): machine, protocol, tables, plot, the loss-term
+   ablation and the comparisons the acceptance criteria ask about, computed from the rows
+   (nothing is typed by hand).
+
+The loss-term ablation table reads ``experiments/train_drafters.sh ablate``'s output (``--data``).
 
 Usage (the defaults are the reduced CPU protocol RESULTS.md was made with; DESIGN.md §4's full
 protocol is ``--limit 32 --max-new-tokens 128 --budgets 4,8,16,32 --repeats 3``):
+  experiments/train_drafters.sh ablate
   python experiments/results.py [--sets humaneval,gsm8k,mtbench] [--temps 0,1] [--limit 8]
-      [--max-new-tokens 64] [--budgets 4,16] [--repeats 1] [--out experiments/results]
+      [--max-new-tokens 64] [--budgets 4,16] [--repeats 1] [--out experiments/results] [--render-only]
 """
 
 from __future__ import annotations
@@ -108,6 +112,95 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+ABLATIONS = ("full", "no_tree_terms", "no_coverage", "no_edge")
+
+
+def loss_ablation(data: Path) -> str | None:
+    """The table of ``experiments/train_drafters.sh ablate`` (offline τ on GSM8K eval), if it ran."""
+    runs = [(name, data / f"ablate-{name}") for name in ABLATIONS if (data / f"ablate-{name}" / "eval.json").is_file()]
+    if not runs:
+        return None
+    lines = ["| variant | loss weights changed | chain τ | tree τ (budget) | α₁ α₂ α₃ |", "|---|---|---|---|---|"]
+    for name, d in runs:
+        ev = json.loads((d / "eval.json").read_text())
+        run = json.loads((d / "run.json").read_text())
+        default = {"tree_tv": 0.9, "tree_ce": 0.1, "tree_coverage": 1.0, "tree_edge": 1.0}
+        changed = ", ".join(f"{k}={run['loss_config'][k]:g}" for k in default if run["loss_config"][k] != default[k])
+        lines.append(f"| {name} | {changed or '—'} | {ev['chain_tau']:.3f} | {_fmt(ev['tree_tau'], '.3f')} ({ev['budget']}) | "
+                     + " ".join(f"{a:.2f}" for a in ev["alpha"][:3]) + " |")
+    steps = json.loads((runs[0][1] / "run.json").read_text())["train"]["steps"]
+    return (f"Each variant: the treespark loss from the dspark drafter for {steps} steps on the same data "
+            "(`experiments/train_drafters.sh ablate`), scored offline by `treespark eval-drafter` on the GSM8K "
+            "held-out rollouts (greedy; tree τ = 1 + the longest gold prefix inside the treespark builder's tree "
+            "of all N nodes, no cost-aware stop).\n\n" + "\n".join(lines))
+
+
+def measure(args, sets, temps, budgets, out: Path) -> None:
+    """Runs every benchmark and writes the JSON rows under ``out``."""
+    started = time.time()
+    lm = load(PRESET)
+    prompts = {s: [prompt_ids(lm.tokenizer, r) for r in load_prompts(s, "eval")[: args.limit]] for s in sets}
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    for s in sets:
+        for t in temps:
+            log(f"== {s}, temp {t}")
+            rows = compare(lm, prompts[s], METHODS, budgets, temp=t, max_new_tokens=args.max_new_tokens,
+                           repeats=args.repeats, progress=log)
+            (out / f"bench-{s}-t{t:g}.json").write_text(json.dumps(rows, indent=2))
+    log("== builder ablation")
+    ablation = [row for b in BUILDERS
+                for row in compare(lm, prompts[sets[0]], ["treespark"], [max(budgets)], builder=b,
+                                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=log)]
+    (out / "ablation-builders.json").write_text(json.dumps(ablation, indent=2))
+    machine = (f"{current_device_kind()} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
+               f"JAX {jax.__version__}, Python {platform.python_version()}, float32")
+    (out / "meta.json").write_text(json.dumps({"minutes": (time.time() - started) / 60, "machine": machine,
+                                               "args": vars(args)}, indent=2))
+
+
+def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str:
+    """RESULTS.md and the plot from the JSON under ``out`` (and the loss ablation under ``data``)."""
+    meta = json.loads((out / "meta.json").read_text())
+    args = meta["args"]
+    results = {(s, t): json.loads((out / f"bench-{s}-t{t:g}.json").read_text()) for s in sets for t in temps}
+    ablation = json.loads((out / "ablation-builders.json").read_text())
+    plot_path = results_md.with_name("results_tau_speedup.png")  # committed with RESULTS.md
+    plot(results, sets, plot_path)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in args.items()
+                     if k in ("sets", "temps", "limit", "max_new_tokens", "budgets", "repeats"))
+    md = ["# Results", "",
+          f"Generated by `experiments/train_drafters.sh ablate && python experiments/results.py {flags}` "
+          f"(the benchmarks took {meta['minutes']:.0f} minutes); the JSON rows are written to "
+          f"`{os.path.relpath(out, HERE.parent)}/` and `--render-only` rebuilds this page from them.",
+          "",
+          f"- Machine: {meta['machine']}. The machine was shared with other jobs while this ran, so absolute "
+          "speeds are low and noisy; AR and the methods were measured interleaved, so the ratios share the load.",
+          f"- Target `{PRESET}` with the drafters shipped in `treespark_jax/drafters/{PRESET}/` "
+          "(made by `experiments/train_drafters.sh`; no evaluation prompt was used to train or tune them).",
+          f"- Protocol: the first {args['limit']} held-out (`eval` split) prompts of each set through the chat "
+          f"template, {args['max_new_tokens']} new tokens at most (a reply may stop earlier), budgets {budgets}, "
+          f"{args['repeats']} interleaved pass(es), batch 1. AR and every (method, budget) run on each prompt in "
+          "turn in one process. Speedup = AR seconds per output token ÷ the method's (prefill and compilation "
+          "excluded); the median over prompts × passes, ± its inter-quartile range as the noise. τ = committed "
+          "tokens per target forward, bonus included, pooled over all rounds; α_j = acceptance at depth j given "
+          "depth j − 1. Greedy = AR: every output identical to AR's (divergences at near-ties are counted).",
+          "- This is a reduced CPU protocol (DESIGN.md §4 asks for 32 prompts, 128 tokens, budgets {4, 8, 16, 32} "
+          "and three repeats, which take many hours on this machine); the same script runs the full protocol "
+          "with the flags in its docstring.", ""]
+    for s in sets:
+        for t in temps:
+            rows = results[(s, t)]
+            md += [f"## {s}, temp {t:g}", "", table(rows), ""]
+            md += [f"- {v}" for v in verdicts(rows, budgets)] + [""]
+    md += ["## τ and speedup against budget (temp 0)", "", f"![τ and speedup]({plot_path.name})", "",
+           f"## Builder ablation: the shipped treespark drafter, budget {max(budgets)}, {sets[0]}, temp 0", "",
+           table(ablation, with_builder=True), "", "## Loss-term ablation", "",
+           loss_ablation(data) or "Not run yet: `experiments/train_drafters.sh ablate` makes it.", ""]
+    text = "\n".join(md)
+    results_md.write_text(text)
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sets", default="humaneval,gsm8k,mtbench")
@@ -117,63 +210,17 @@ def main() -> None:
     p.add_argument("--budgets", default="4,16")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--data", default=str(HERE / "data"), help="train_drafters.sh's $DATA (loss ablation)")
     p.add_argument("--results-md", default=str(HERE / "RESULTS.md"))
+    p.add_argument("--render-only", action="store_true", help="rebuild RESULTS.md from the JSON under --out")
     args = p.parse_args()
     sets, temps = args.sets.split(","), [float(t) for t in args.temps.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-
-    lm = load(PRESET)
-    prompts = {s: [prompt_ids(lm.tokenizer, r) for r in load_prompts(s, "eval")[: args.limit]] for s in sets}
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    results = {}
-    for s in sets:
-        for t in temps:
-            log(f"== {s}, temp {t}")
-            rows = compare(lm, prompts[s], METHODS, budgets, temp=t, max_new_tokens=args.max_new_tokens,
-                           repeats=args.repeats, progress=log)
-            results[(s, t)] = rows
-            (out / f"bench-{s}-t{t:g}.json").write_text(json.dumps(rows, indent=2))
-    log("== builder ablation")
-    ablation = [row for b in BUILDERS
-                for row in compare(lm, prompts[sets[0]], ["treespark"], [max(budgets)], builder=b,
-                                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=log)]
-    (out / "ablation-builders.json").write_text(json.dumps(ablation, indent=2))
-    plot_path = Path(args.results_md).with_name("results_tau_speedup.png")  # committed with RESULTS.md
-    plot(results, sets, plot_path)
-    minutes = (time.time() - started) / 60
-
-    machine = (f"{current_device_kind()} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
-               f"JAX {jax.__version__}, Python {platform.python_version()}, float32")
-    md = ["# Results", "",
-          "Generated by `python experiments/results.py "
-          + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "results_md"))
-          + f"` in {minutes:.0f} minutes; the JSON rows are written to `{os.path.relpath(out, HERE.parent)}/`.",
-          "",
-          f"- Machine: {machine}.",
-          f"- Target `{PRESET}` with the drafters shipped in `treespark_jax/drafters/{PRESET}/` "
-          "(made by `experiments/train_drafters.sh`; no evaluation prompt was used to train or tune them).",
-          f"- Protocol: the first {args.limit} held-out (`eval` split) prompts of each set through the chat template, "
-          f"{args.max_new_tokens} new tokens at most (a reply may stop earlier), budgets {budgets}, "
-          f"{args.repeats} interleaved pass(es), batch 1. AR and every (method, budget) run on each prompt in turn "
-          "in one process. Speedup = AR seconds per output token ÷ the method's (prefill and compilation excluded); "
-          "the median over prompts × passes, ± its inter-quartile range as the noise. τ = committed tokens per "
-          "target forward, bonus included, pooled over all rounds; α_j = acceptance at depth j given depth j − 1.",
-          "- This is a reduced CPU protocol (DESIGN.md §4 asks for 32 prompts, 128 tokens, budgets {4, 8, 16, 32} "
-          "and three repeats, which take many hours on this machine); the same script runs the full protocol "
-          "with the flags in its docstring.", ""]
-    for s in sets:
-        for t in temps:
-            rows = results[(s, t)]
-            md += [f"## {s}, temp {t:g}", "", table(rows), ""]
-            md += [f"- {v}" for v in verdicts(rows, budgets)] + [""]
-    md += ["## τ and speedup against budget (temp 0)", "", f"![τ and speedup]({os.path.relpath(plot_path, HERE)})", "",
-           f"## Builder ablation: the shipped treespark drafter, budget {max(budgets)}, {sets[0]}, temp 0", "",
-           table(ablation, with_builder=True), ""]
-    Path(args.results_md).write_text("\n".join(md))
-    print("\n".join(md))
+    if not args.render_only:
+        measure(args, sets, temps, budgets, out)
+    print(render(sets, temps, budgets, out, Path(args.data), Path(args.results_md)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 #   4. a treespark drafter warm-started from the dspark one, trained on the on-policy trees
 #      (of the $ONPOLICY sets; plain rollouts of the others, whose tree slots stay empty)
 #   5. offline evaluation of all three on the held-out (eval) split
+#   (ablate: treespark loss-term ablation for experiments/RESULTS.md; not in the default stages)
 #   6. export: the three drafters in bfloat16, drafting from the DRAFT_VOCAB most frequent tokens of the
 #      training rollouts, into treespark_jax/drafters/smollm2-135m/ (shipped with the package)
 # Every stage resumes where it stopped when the script is run again (rollouts skip finished
@@ -60,6 +61,20 @@ stage_eval() {
   for d in dflash:ddtree dspark:pctree treespark:treespark; do
     $T eval-drafter --drafter "$DATA/${d%%:*}/drafter" --rollouts $(plain eval) --method "${d##*:}" \
       --budget "$BUDGET" --json-out "$DATA/eval-${d%%:*}.json"
+  done
+}
+
+ABLATE_STEPS=${ABLATE_STEPS:-100}  # steps per loss-term ablation run
+ABLATIONS="full: no_tree_terms:tree_tv=0,tree_ce=0,tree_coverage=0,tree_edge=0 no_coverage:tree_coverage=0 no_edge:tree_edge=0"
+stage_ablate() {  # treespark loss terms, each variant from the dspark drafter for ABLATE_STEPS, offline tree τ on GSM8K eval
+  $T rollout --prompts gsm8k --split eval --max-new-tokens "$NEW" --batch-size 16 --out "$DATA/rollouts-gsm8k-eval"
+  for v in $ABLATIONS; do
+    name=${v%%:*} w=${v#*:}
+    $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --init "$DATA/dspark/drafter" \
+      --steps "$ABLATE_STEPS" --batch "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 50 --log-every 10 \
+      ${w:+--loss-weights "$w"} --out "$DATA/ablate-$name"
+    $T eval-drafter --drafter "$DATA/ablate-$name/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
+      --budget "$BUDGET" --json-out "$DATA/ablate-$name/eval.json"
   done
 }
 
