@@ -76,9 +76,8 @@ def test_drafter_method_with_a_saved_drafter_matches_greedy_ar(preset, capsys, t
     (["--prompt", "hi", "--temp", "-1"], "temperature -1.0 is negative"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
     (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be at least 1"),
-    (["--prompt", "hi", "--method", "treespark"], "method 'treespark' needs a trained block drafter"),
     (["--prompt", "hi", "--method", "dflash", "--drafter", "/no/such/drafter"], "/no/such/drafter"),
-    (["--prompt", "hi", "--drafter", "random"], "method 'ar' uses no block drafter"),
+    (["--prompt", "hi", "--method", "ar", "--drafter", "random"], "method 'ar' uses no block drafter"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(preset, capsys, flags, message):
     assert main(["generate", "--preset", preset] + flags) == 2
