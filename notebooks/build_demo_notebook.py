@@ -105,7 +105,9 @@ CELLS = [
             MAX_NEW, BUDGET, SWEEP_BUDGETS, SWEEP_PROMPTS, SWEEP_NEW = 128, 32, [4, 8, 16, 32, 64], 8, 128
             ROLLOUT_LIMIT, ROLLOUT_NEW, TRAIN_STEPS, TRAIN_BATCH = 64, 128, 200, 16
 
-        PROMPT = "Explain in two sentences why the sky is blue."
+        # A GSM8K-style question: the shipped drafters were trained on GSM8K, HumanEval and MT-Bench answers.
+        PROMPT = ("A baker makes 24 muffins and packs them in boxes of 4. Each box sells for $6. "
+                  "How much money does the baker make? Think step by step.")
         print(f"runtime {RUNTIME}, dtype {DTYPE}, small={SMALL}, outputs in {OUT_DIR}")
     '''),
     md("""
@@ -204,9 +206,15 @@ CELLS = [
 
 
         def draw_tree(nodes, anchor, bonus, path):
+            """The tree left to right by depth; the bonus token is drawn as a child of the last accepted node."""
+            x = {-1: 0, **{n["index"]: n["depth"] for n in nodes}}
             children = {}
             for n in nodes:
                 children.setdefault(n["parent"], []).append(n["index"])
+            last = path[-1] if path else -1
+            if bonus is not None:
+                children.setdefault(last, []).insert(0, "bonus")
+                x["bonus"] = x[last] + 1
             y, leaves = {}, [0]
 
             def place(i):  # leaves top to bottom in admission order, parents centred on their children
@@ -217,9 +225,8 @@ CELLS = [
                 leaves[0] += 0 if kids else 1
 
             place(-1)
-            x = {-1: 0, **{n["index"]: n["depth"] for n in nodes}}
-            depth = max([n["depth"] for n in nodes], default=0)
-            fig, ax = plt.subplots(figsize=(2.2 * (depth + 2), 0.7 * max(leaves[0], 2) + 1.2))
+            width = max(x.values())
+            fig, ax = plt.subplots(figsize=(2.2 * (width + 1) + 1, 0.6 * max(leaves[0], 2) + 1.4))
             for n in nodes:
                 p = n["parent"]
                 ax.plot([x[p], x[n["index"]]], [y[p], y[n["index"]]], color="#2ca02c" if n["accepted"] else "#999999",
@@ -232,19 +239,18 @@ CELLS = [
                 ax.text(x[n["index"]], y[n["index"]], n["text"], bbox=dict(boxstyle="round", fc=fc, ec=ec, ls=ls),
                         color="black" if n["verified"] else "#888888", **style)
             if bonus is not None:
-                last = path[-1] if path else -1
-                bx, by = x[last] + 0.5, y[last] - 0.5  # between the columns, so it never covers a node
-                ax.plot([x[last], bx], [y[last], by], color="#d4a017", lw=2, ls=":", zorder=1)
-                ax.text(bx, by, bonus, bbox=dict(boxstyle="round", fc="#ffe58a", ec="#d4a017"), **style)
-            ax.set_xlim(-0.7, depth + 1.7)
-            ax.set_ylim(max(leaves[0], 1) - 0.5, -1.0)
-            ax.set_xticks(range(depth + 2))
+                ax.plot([x[last], x["bonus"]], [y[last], y["bonus"]], color="#d4a017", lw=2, ls=":", zorder=1)
+                ax.text(x["bonus"], y["bonus"], f"{bonus}\\n(bonus)", bbox=dict(boxstyle="round", fc="#ffe58a",
+                                                                              ec="#d4a017"), **style)
+            ax.set_xlim(-0.6, width + 0.6)
+            ax.set_ylim(leaves[0] - 0.4, -0.6)
+            ax.set_xticks(range(width + 1))
             ax.set_xlabel("depth (tokens after the anchor)")
             ax.set_yticks([])
             for side in ("left", "right", "top"):
                 ax.spines[side].set_visible(False)
-            ax.set_title(f"draft tree of round {r}: {sum(n['verified'] for n in nodes)} verified nodes, "
-                         f"{len(path)} accepted + bonus = {len(path) + 1} tokens committed")
+            ax.set_title(f"draft tree of round {r}: {sum(n['verified'] for n in nodes)} nodes verified, "
+                         f"{len(path)} accepted + 1 bonus = {len(path) + 1} committed")
             fig.tight_layout()
             return fig, ax
 
@@ -292,6 +298,7 @@ CELLS = [
         budgets = [row["budget"] for row in tree_rows]
         fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(9, 3.5))
         ax_tau.plot(budgets, [row["tau"] for row in tree_rows], "o-", color="#1f77b4")
+        ax_tau.axhline(1.0, color="grey", ls="--", lw=1)  # AR: one token per target forward
         ax_tau.set_xlabel("budget")
         ax_tau.set_ylabel("τ")
         ax_speed.plot(budgets, [row["speedup"] for row in tree_rows], "o-", color="#2ca02c")
