@@ -52,3 +52,12 @@ def ar_reference(target64):
 
     ids, _ = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40)
     return ids
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs_after_each_module():
+    """A pytest process compiles hundreds of one-off programs; keeping all of them alive until
+    the end once ended in a segmentation fault inside XLA's CPU compiler (jax 0.10.2) late in
+    the fast group. Each module's programs are dropped when it finishes."""
+    yield
+    jax.clear_caches()

@@ -12,6 +12,8 @@ newlines joined, comments dropped). Each command is one of:
   environment on ``PATH``, from a scratch directory (so ``runs/...`` outputs of earlier commands
   feed later ones), and it must exit with status 0.
 
+The ```python blocks are compiled (fast) and run after the commands (slow).
+
 So a command added to the README is either run by ``test_readme_command`` (and must work) or
 must be added to ``ALLOWED`` with its reason; a stale allow-list entry fails too. The fast
 test checks the bookkeeping; running the commands is slow (the real default model).
@@ -206,3 +208,16 @@ def test_readme_command(workspace, command):
             assert (workspace["work"] / argv[argv.index(flag) + 1]).exists(), f"{flag} of {normalise(command)}"
     if argv[1] == "train":
         assert (workspace["work"] / argv[argv.index("--out") + 1] / "drafter" / "drafter.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_readme_python_blocks_run(workspace):
+    """The Python API block runs as written, after the commands (it uses their `runs/treespark`)."""
+    if workspace["failed"]:
+        pytest.skip(f"an earlier README command failed: {workspace['failed'][0]}")
+    for block in re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.M | re.S):
+        proc = subprocess.run([sys.executable, "-c", block], cwd=workspace["work"], env=workspace["env"],
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        assert proc.returncode == 0, f"README python block\n{block}\nexit {proc.returncode}\n{proc.stderr[-4000:]}"
+        assert proc.stdout.strip(), "the README python block printed nothing"
