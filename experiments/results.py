@@ -10,7 +10,8 @@ One process, one loaded target (``smollm2-135m`` in float32 with the shipped dra
    ``results_tau_speedup.png`` next to RESULTS.md;
 4. ``RESULTS.md`` (next to this script): machine, protocol, tables, plot, the loss-term
    ablation and the comparisons the acceptance criteria ask about, computed from the rows
-   (nothing is typed by hand).
+   (nothing is typed by hand), and GSM8K's temp-0 table in the README between its
+   ``<!-- RESULTS TABLE -->`` markers.
 
 The loss-term ablation table reads ``experiments/train_drafters.sh ablate``'s output (``--data``).
 
@@ -85,8 +86,11 @@ def verdicts(rows: list[dict], budgets: list[int]) -> list[str]:
     ts = [r for r in rows if r["method"] == "treespark"]
     if ts:
         best = max(ts, key=lambda r: r["speedup"])
+        low = best["speedup"] - best["speedup_iqr"] / 2
+        verdict = ("above 1 by more than half its IQR" if low > 1 else
+                   "above 1, but within half its IQR of 1: not a clear speedup" if best["speedup"] > 1 else "not above 1")
         out.append(f"treespark's best speedup over AR: {best['speedup']:.2f} ± {best['speedup_iqr']:.2f} "
-                   f"at budget {best['budget']} ({'above' if best['speedup'] > 1 else 'not above'} 1)")
+                   f"at budget {best['budget']} ({verdict})")
     return out
 
 
@@ -198,7 +202,29 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str
            loss_ablation(data) or "Not run yet: `experiments/train_drafters.sh ablate` makes it.", ""]
     text = "\n".join(md)
     results_md.write_text(text)
+    _readme_table(results, sets[min(1, len(sets) - 1)], budgets, meta, args)
     return text
+
+
+README_START, README_END = "<!-- RESULTS TABLE -->", "<!-- /RESULTS TABLE -->"
+
+
+def _readme_table(results: dict, name: str, budgets: list[int], meta: dict, args: dict) -> None:
+    """Puts one set's temp-0 table and its verdicts between the README's results markers."""
+    readme = HERE.parent / "README.md"
+    text = readme.read_text()
+    if README_START not in text:
+        return
+    rows = results[(name, 0.0)]
+    block = [README_START, "",
+             f"{name}, held-out prompts, temp 0, {args['limit']} prompts × {args['max_new_tokens']} tokens, "
+             f"batch 1, float32 on {meta['machine'].split(' (')[0]} (2 cores, shared with other jobs); all sets, "
+             "temp 1, the plot and the ablations are in RESULTS.md.", "", table(rows), ""]
+    block += [f"- {v}" for v in verdicts(rows, budgets)] + ["", README_END]
+    head = text[: text.index(README_START)]
+    tail = text[text.index(README_END) + len(README_END):] if README_END in text else text[
+        text.index(README_START) + len(README_START):]
+    readme.write_text(head + "\n".join(block) + tail)
 
 
 def main() -> None:
