@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PROMPT ?= Explain in two sentences why the sky is blue.
+PROMPT ?= A farmer has 12 cows and buys 3 times as many sheep. How many animals does he have now? Think step by step.
 
 .PHONY: demo test install install-test clean-venv
 
