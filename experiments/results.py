@@ -107,9 +107,11 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
         axes[0, col].set_ylabel("τ (tokens per target forward)")
         axes[1, col].set_ylabel("speedup vs AR")
         axes[1, col].axhline(1.0, color="grey", lw=0.8, ls="--")
+        ticks = sorted({r["budget"] for r in rows if r["budget"] is not None})
         for ax in axes[:, col]:
             ax.set_xlabel("budget N")
             ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(b) for b in ticks])
     axes[0, 0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -166,10 +168,14 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str
     """RESULTS.md and the plot from the JSON under ``out`` (and the loss ablation under ``data``)."""
     meta = json.loads((out / "meta.json").read_text())
     args = meta["args"]
-    results = {(s, t): json.loads((out / f"bench-{s}-t{t:g}.json").read_text()) for s in sets for t in temps}
-    ablation = json.loads((out / "ablation-builders.json").read_text())
+    # A stopped run renders what it measured; the page names what is missing.
+    results = {(s, t): json.loads((out / f"bench-{s}-t{t:g}.json").read_text())
+               for s in sets for t in temps if (out / f"bench-{s}-t{t:g}.json").is_file()}
+    ablation_file = out / "ablation-builders.json"
+    ablation = json.loads(ablation_file.read_text()) if ablation_file.is_file() else None
+    missing = "Not measured in this run (it was stopped early); the command above measures it."
     plot_path = results_md.with_name("results_tau_speedup.png")  # committed with RESULTS.md
-    plot(results, sets, plot_path)
+    plot(results, [s for s in sets if (s, 0.0) in results], plot_path)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in args.items()
                      if k in ("sets", "temps", "limit", "max_new_tokens", "budgets", "repeats"))
     md = ["# Results", "",
@@ -193,16 +199,20 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str
           "with the flags in its docstring.", ""]
     for s in sets:
         for t in temps:
-            rows = results[(s, t)]
-            md += [f"## {s}, temp {t:g}", "", table(rows), ""]
-            md += [f"- {v}" for v in verdicts(rows, budgets)] + [""]
+            md += [f"## {s}, temp {t:g}", ""]
+            if (s, t) not in results:
+                md += [missing, ""]
+                continue
+            md += [table(results[(s, t)]), ""] + [f"- {v}" for v in verdicts(results[(s, t)], budgets)] + [""]
     md += ["## τ and speedup against budget (temp 0)", "", f"![τ and speedup]({plot_path.name})", "",
            f"## Builder ablation: the shipped treespark drafter, budget {max(budgets)}, {sets[0]}, temp 0", "",
-           table(ablation, with_builder=True), "", "## Loss-term ablation", "",
+           table(ablation, with_builder=True) if ablation else missing, "", "## Loss-term ablation", "",
            loss_ablation(data) or "Not run yet: `experiments/train_drafters.sh ablate` makes it.", ""]
     text = "\n".join(md)
     results_md.write_text(text)
-    _readme_table(results, sets[min(1, len(sets) - 1)], budgets, meta, args)
+    shown = next((s for s in ("gsm8k", *sets) if (s, 0.0) in results), None)
+    if shown:
+        _readme_table(results, shown, budgets, meta, args)
     return text
 
 
@@ -210,7 +220,8 @@ README_START, README_END = "<!-- RESULTS TABLE -->", "<!-- /RESULTS TABLE -->"
 
 
 def _readme_table(results: dict, name: str, budgets: list[int], meta: dict, args: dict) -> None:
-    """Puts one set's temp-0 table and its verdicts between the README's results markers."""
+    """Puts one set's temp-0 table (GSM8K's when measured) and its verdicts between the README's
+    results markers."""
     readme = HERE.parent / "README.md"
     text = readme.read_text()
     if README_START not in text:
