@@ -157,11 +157,18 @@ def measure(args, sets, temps, budgets, out: Path) -> None:
     ablation = [row for b in BUILDERS
                 for row in compare(lm, prompts[sets[0]], ["treespark"], [max(budgets)], builder=b,
                                    max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=log)]
-    (out / "ablation-builders.json").write_text(json.dumps(ablation, indent=2))
+    (out / "ablation-builders.json").write_text(json.dumps({"set": sets[0], "rows": ablation}, indent=2))
     machine = (f"{current_device_kind()} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
                f"JAX {jax.__version__}, Python {platform.python_version()}, float32")
-    (out / "meta.json").write_text(json.dumps({"minutes": (time.time() - started) / 60, "machine": machine,
-                                               "args": vars(args)}, indent=2))
+    meta = {"minutes": (time.time() - started) / 60, "machine": machine, "args": vars(args)}
+    if (out / "meta.json").is_file():  # runs over other sets or temperatures add up on one page
+        old = json.loads((out / "meta.json").read_text())
+        same = all(old["args"][k] == meta["args"][k] for k in ("limit", "max_new_tokens", "budgets", "repeats"))
+        if same:
+            for k in ("sets", "temps"):
+                meta["args"][k] = ",".join(dict.fromkeys(old["args"][k].split(",") + meta["args"][k].split(",")))
+            meta["minutes"] += old["minutes"]
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
 def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str:
@@ -172,7 +179,7 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str
     results = {(s, t): json.loads((out / f"bench-{s}-t{t:g}.json").read_text())
                for s in sets for t in temps if (out / f"bench-{s}-t{t:g}.json").is_file()}
     ablation_file = out / "ablation-builders.json"
-    ablation = json.loads(ablation_file.read_text()) if ablation_file.is_file() else None
+    ablation = json.loads(ablation_file.read_text()) if ablation_file.is_file() else {"set": sets[0], "rows": None}
     missing = "Not measured in this run (it was stopped early); the command above measures it."
     plot_path = results_md.with_name("results_tau_speedup.png")  # committed with RESULTS.md
     plot(results, [s for s in sets if (s, 0.0) in results], plot_path)
@@ -205,8 +212,8 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str
                 continue
             md += [table(results[(s, t)]), ""] + [f"- {v}" for v in verdicts(results[(s, t)], budgets)] + [""]
     md += ["## τ and speedup against budget (temp 0)", "", f"![τ and speedup]({plot_path.name})", "",
-           f"## Builder ablation: the shipped treespark drafter, budget {max(budgets)}, {sets[0]}, temp 0", "",
-           table(ablation, with_builder=True) if ablation else missing, "", "## Loss-term ablation", "",
+           f"## Builder ablation: the shipped treespark drafter, budget {max(budgets)}, {ablation['set']}, temp 0", "",
+           table(ablation["rows"], with_builder=True) if ablation["rows"] else missing, "", "## Loss-term ablation", "",
            loss_ablation(data) or "Not run yet: `experiments/train_drafters.sh ablate` makes it.", ""]
     text = "\n".join(md)
     results_md.write_text(text)
