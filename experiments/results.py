@@ -18,8 +18,11 @@ The loss-term ablation table reads ``experiments/train_drafters.sh ablate``'s ou
 Usage (the defaults are the reduced CPU protocol RESULTS.md was made with; DESIGN.md §4's full
 protocol is ``--limit 32 --max-new-tokens 128 --budgets 4,8,16,32 --repeats 3``):
   experiments/train_drafters.sh ablate
-  python experiments/results.py [--sets humaneval,gsm8k,mtbench] [--temps 0,1] [--limit 8]
-      [--max-new-tokens 64] [--budgets 4,16] [--repeats 1] [--out experiments/results] [--render-only]
+  python experiments/results.py [--sets gsm8k,humaneval,mtbench] [--temps 0,1] [--limit 4]
+      [--max-new-tokens 64] [--budgets 4,8,16] [--repeats 1] [--out experiments/results] [--render-only]
+  python experiments/results.py --check --sets gsm8k --temps 0
+      (measures those tables again under ``<out>/check/`` and adds a reproduction section: each row's
+      new τ and speedup against the page's, within the stated noise or not)
 """
 
 from __future__ import annotations
@@ -141,38 +144,148 @@ def loss_ablation(data: Path) -> str | None:
             "of all N nodes, no cost-aware stop).\n\n" + "\n".join(lines))
 
 
-def measure(args, sets, temps, budgets, out: Path) -> None:
-    """Runs every benchmark and writes the JSON rows under ``out``."""
-    started = time.time()
-    lm = load(PRESET)
+def _machine() -> str:
+    return (f"{current_device_kind()} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
+            f"JAX {jax.__version__}, Python {platform.python_version()}, float32")
+
+
+def _cpu_clock() -> tuple[float, float, float] | None:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process, wall seconds); None off Linux."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n")[0].split()[1:]
+    except OSError:
+        return None
+    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    own = os.times()
+    return busy, own.user + own.system, time.time()
+
+
+def _others_share(start, end) -> float | None:
+    """The fraction of all cores that other processes used between two ``_cpu_clock`` readings."""
+    if start is None or end is None:
+        return None
+    return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / ((end[2] - start[2]) * os.cpu_count()))
+
+
+def _bench_tables(lm, args, sets, temps, budgets, out: Path, log) -> dict:
+    """``bench.compare`` over every method and budget per (set, temp); rows written to ``out``."""
     prompts = {s: [prompt_ids(lm.tokenizer, r) for r in load_prompts(s, "eval")[: args.limit]] for s in sets}
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    results = {}
     for s in sets:
         for t in temps:
             log(f"== {s}, temp {t}")
-            rows = compare(lm, prompts[s], METHODS, budgets, temp=t, max_new_tokens=args.max_new_tokens,
-                           repeats=args.repeats, progress=log)
-            (out / f"bench-{s}-t{t:g}.json").write_text(json.dumps(rows, indent=2))
-    log("== builder ablation")
+            results[(s, t)] = compare(lm, prompts[s], METHODS, budgets, temp=t, max_new_tokens=args.max_new_tokens,
+                                      repeats=args.repeats, progress=log)
+            (out / f"bench-{s}-t{t:g}.json").write_text(json.dumps(results[(s, t)], indent=2))
+    return results
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def measure(args, sets, temps, budgets, out: Path) -> None:
+    """Runs every benchmark and writes the JSON rows under ``out``."""
+    started, clock = time.time(), _cpu_clock()
+    lm = load(PRESET)
+    _bench_tables(lm, args, sets, temps, budgets, out, _log)
+    _log("== builder ablation")
+    first = [prompt_ids(lm.tokenizer, r) for r in load_prompts(sets[0], "eval")[: args.limit]]
     ablation = [row for b in BUILDERS
-                for row in compare(lm, prompts[sets[0]], ["treespark"], [max(budgets)], builder=b,
-                                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=log)]
+                for row in compare(lm, first, ["treespark"], [max(budgets)], builder=b,
+                                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=_log)]
     (out / "ablation-builders.json").write_text(json.dumps({"set": sets[0], "rows": ablation}, indent=2))
-    machine = (f"{current_device_kind()} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
-               f"JAX {jax.__version__}, Python {platform.python_version()}, float32")
-    meta = {"minutes": (time.time() - started) / 60, "machine": machine, "args": vars(args)}
+    meta = {"minutes": (time.time() - started) / 60, "machine": _machine(), "args": vars(args),
+            "others_cpu": [_others_share(clock, _cpu_clock())], "date": time.strftime("%Y-%m-%d")}
     if (out / "meta.json").is_file():  # runs over other sets or temperatures add up on one page
         old = json.loads((out / "meta.json").read_text())
-        same = all(old["args"][k] == meta["args"][k] for k in ("limit", "max_new_tokens", "budgets", "repeats"))
-        if same:
+        if all(old["args"][k] == meta["args"][k] for k in PROTOCOL):
             for k in ("sets", "temps"):
                 meta["args"][k] = ",".join(dict.fromkeys(old["args"][k].split(",") + meta["args"][k].split(",")))
             meta["minutes"] += old["minutes"]
+            meta["others_cpu"] = [*old.get("others_cpu", []), *meta["others_cpu"]]
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
-def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str:
-    """RESULTS.md and the plot from the JSON under ``out`` (and the loss ablation under ``data``)."""
+PROTOCOL = ("limit", "max_new_tokens", "budgets", "repeats")
+TAU_TOL = 0.05  # τ is a pooled count ratio; greedy decoding and seeded sampling repeat it up to near-ties
+
+
+def compare_runs(name: str, temp: float, page: list[dict], fresh: list[dict]) -> list[dict]:
+    """Each fresh bench row against the page's row of the same (method, budget): both τ and speedups,
+    the noise (the larger speedup IQR) and ``reproduced`` (|Δτ| ≤ TAU_TOL and |Δspeedup| ≤ noise)."""
+    by = {(r["method"], r["budget"]): r for r in page}
+    rows = []
+    for r in fresh:
+        o = by[(r["method"], r["budget"])]
+        noise = max(o["speedup_iqr"], r["speedup_iqr"])
+        rows.append({"set": name, "temp": temp, "method": r["method"], "budget": r["budget"],
+                     "tau": [o["tau"], r["tau"]], "speedup": [o["speedup"], r["speedup"]], "noise": noise,
+                     "reproduced": abs(o["tau"] - r["tau"]) <= TAU_TOL and abs(o["speedup"] - r["speedup"]) <= noise})
+    return rows
+
+
+def check(args, sets, temps, budgets, out: Path) -> None:
+    """Measures the (set, temp) tables again under ``out/check`` and writes ``out/reproduction.json``:
+    per row, the page's and the new τ and speedup and whether the new ones are within the stated
+    noise (|Δτ| ≤ TAU_TOL; |Δspeedup| ≤ the larger of the two runs' IQRs).
+
+    Raises:
+        SystemExit: no measured page under ``out``, or a protocol flag that differs from the page's.
+    """
+    if not (out / "meta.json").is_file():
+        raise SystemExit(f"--check needs a measured page: {out / 'meta.json'} does not exist; run without --check first.")
+    meta = json.loads((out / "meta.json").read_text())
+    for s in sets:
+        for t in temps:
+            if not (out / f"bench-{s}-t{t:g}.json").is_file():
+                raise SystemExit(f"--check can only repeat a measured table: {s} at temp {t:g} is not on the page.")
+    for k in PROTOCOL:
+        if str(meta["args"][k]) != str(vars(args)[k]):
+            raise SystemExit(f"--check must repeat the page's protocol: --{k.replace('_', '-')} is {vars(args)[k]}, "
+                             f"the page used {meta['args'][k]}.")
+    clock = _cpu_clock()
+    (out / "check").mkdir(exist_ok=True)
+    new = _bench_tables(load(PRESET), args, sets, temps, budgets, out / "check", _log)
+    rows = [row for (s, t), fresh in new.items()
+            for row in compare_runs(s, t, json.loads((out / f"bench-{s}-t{t:g}.json").read_text()), fresh)]
+    rep = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "others_cpu": [_others_share(clock, _cpu_clock())],
+           "rows": rows}
+    (out / "reproduction.json").write_text(json.dumps(rep, indent=2))
+
+
+def reproduction(out: Path) -> list[str]:
+    """The page's reproduction section from ``out/reproduction.json`` (``--check``), if it ran."""
+    path = out / "reproduction.json"
+    if not path.is_file():
+        return ["Not checked yet: `python experiments/results.py --check --sets SET --temps T` measures a table "
+                "again and fills this section.", ""]
+    rep = json.loads(path.read_text())
+    ok = sum(r["reproduced"] for r in rep["rows"])
+    tables = ", ".join(dict.fromkeys(f"{r['set']} temp {r['temp']:g}" for r in rep["rows"]))
+    lines = [f"`--check` measured {tables} again on {rep['date']} ({_others_words(rep['others_cpu'])}): "
+             f"{ok} of {len(rep['rows'])} rows reproduced within the stated noise "
+             f"(|Δτ| ≤ {TAU_TOL}, |Δspeedup| ≤ the larger IQR of the two runs).", "",
+             "| table | method | budget | τ page → again | speedup page → again | noise | reproduced |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rep["rows"]:
+        lines.append(f"| {r['set']} temp {r['temp']:g} | {r['method']} | {_fmt(r['budget'], 'd')} | "
+                     f"{r['tau'][0]:.2f} → {r['tau'][1]:.2f} | {r['speedup'][0]:.2f} → {r['speedup'][1]:.2f} | "
+                     f"± {r['noise']:.2f} | {'yes' if r['reproduced'] else 'NO'} |")
+    return lines + [""]
+
+
+def _others_words(shares: list) -> str:
+    """How much of the cores other processes took during the measuring run(s), from ``/proc/stat``."""
+    known = [x for x in shares if x is not None]
+    if not known:
+        return "the load from other processes was not recorded"
+    return f"other processes used {100 * max(known):.0f} % of the {os.cpu_count()} cores at most over the runs"
+
+
+def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme: Path | None = None) -> str:
+    """RESULTS.md and the plot from the JSON under ``out`` (and the loss ablation under ``data``);
+    with ``readme``, also the table between its results markers."""
     meta = json.loads((out / "meta.json").read_text())
     args = meta["args"]
     # A stopped run renders what it measured; the page names what is missing.
@@ -190,8 +303,9 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str
           f"(the benchmarks took {meta['minutes']:.0f} minutes); the JSON rows are written to "
           f"`{os.path.relpath(out, HERE.parent)}/` and `--render-only` rebuilds this page from them.",
           "",
-          f"- Machine: {meta['machine']}. The machine was shared with other jobs while this ran, so absolute "
-          "speeds are low and noisy; AR and the methods were measured interleaved, so the ratios share the load.",
+          f"- Machine: {meta['machine']}; while it measured, {_others_words(meta.get('others_cpu', []))} "
+          "(when other jobs share the cores, absolute speeds drop and the ratios shift: a memory-bound AR step "
+          "and a compute-bound verify forward slow down differently, even measured interleaved).",
           f"- Target `{PRESET}` with the drafters shipped in `treespark_jax/drafters/{PRESET}/` "
           "(made by `experiments/train_drafters.sh`; no evaluation prompt was used to train or tune them).",
           f"- Protocol: the first {args['limit']} held-out (`eval` split) prompts of each set through the chat "
@@ -214,29 +328,29 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path) -> str
     md += ["## τ and speedup against budget (temp 0)", "", f"![τ and speedup]({plot_path.name})", "",
            f"## Builder ablation: the shipped treespark drafter, budget {max(budgets)}, {ablation['set']}, temp 0", "",
            table(ablation["rows"], with_builder=True) if ablation["rows"] else missing, "", "## Loss-term ablation", "",
-           loss_ablation(data) or "Not run yet: `experiments/train_drafters.sh ablate` makes it.", ""]
+           loss_ablation(data) or "Not run yet: `experiments/train_drafters.sh ablate` makes it.", "",
+           "## Reproduction", "", *reproduction(out)]
     text = "\n".join(md)
     results_md.write_text(text)
     shown = next((s for s in ("gsm8k", *sets) if (s, 0.0) in results), None)
-    if shown:
-        _readme_table(results, shown, budgets, meta, args)
+    if shown and readme is not None:
+        _readme_table(readme, results, shown, budgets, meta, args)
     return text
 
 
 README_START, README_END = "<!-- RESULTS TABLE -->", "<!-- /RESULTS TABLE -->"
 
 
-def _readme_table(results: dict, name: str, budgets: list[int], meta: dict, args: dict) -> None:
+def _readme_table(readme: Path, results: dict, name: str, budgets: list[int], meta: dict, args: dict) -> None:
     """Puts one set's temp-0 table (GSM8K's when measured) and its verdicts between the README's
     results markers."""
-    readme = HERE.parent / "README.md"
     text = readme.read_text()
     if README_START not in text:
         return
     rows = results[(name, 0.0)]
     block = [README_START, "",
              f"{name}, held-out prompts, temp 0, {args['limit']} prompts × {args['max_new_tokens']} tokens, "
-             f"batch 1, float32 on {meta['machine'].split(' (')[0]} (2 cores, shared with other jobs); all sets, "
+             f"batch 1, float32 on {meta['machine'].split(' (')[0]} ({_others_words(meta.get('others_cpu', []))}); all sets, "
              "temp 1, the plot and the ablations are in RESULTS.md.", "", table(rows), ""]
     block += [f"- {v}" for v in verdicts(rows, budgets)] + ["", README_END]
     head = text[: text.index(README_START)]
@@ -247,24 +361,30 @@ def _readme_table(results: dict, name: str, budgets: list[int], meta: dict, args
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sets", default="humaneval,gsm8k,mtbench")
+    p.add_argument("--sets", default="gsm8k,humaneval,mtbench")
     p.add_argument("--temps", default="0,1")
-    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--limit", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--budgets", default="4,16")
+    p.add_argument("--budgets", default="4,8,16")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--data", default=str(HERE / "data"), help="train_drafters.sh's $DATA (loss ablation)")
     p.add_argument("--results-md", default=str(HERE / "RESULTS.md"))
     p.add_argument("--render-only", action="store_true", help="rebuild RESULTS.md from the JSON under --out")
+    p.add_argument("--check", action="store_true",
+                   help="measure --sets/--temps again and record whether the page's rows reproduce")
     args = p.parse_args()
     sets, temps = args.sets.split(","), [float(t) for t in args.temps.split(",")]
     budgets = [int(b) for b in args.budgets.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not args.render_only:
+    if args.check:
+        check(args, sets, temps, budgets, out)
+        meta = json.loads((out / "meta.json").read_text())["args"]
+        sets, temps = meta["sets"].split(","), [float(t) for t in meta["temps"].split(",")]
+    elif not args.render_only:
         measure(args, sets, temps, budgets, out)
-    print(render(sets, temps, budgets, out, Path(args.data), Path(args.results_md)))
+    print(render(sets, temps, budgets, out, Path(args.data), Path(args.results_md), HERE.parent / "README.md"))
 
 
 if __name__ == "__main__":

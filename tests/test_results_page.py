@@ -1,0 +1,68 @@
+"""experiments/results.py: the reproduction check's verdicts and the page it renders, from rows on disk."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "experiments" / "results.py"
+
+
+@pytest.fixture(scope="module")
+def results():
+    spec = importlib.util.spec_from_file_location("results_page", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(method, budget, tau, speedup, iqr):
+    return {"method": method, "budget": budget, "temp": 0.0, "tau": tau, "tau_per_depth": [0.5],
+            "speedup": speedup, "speedup_iqr": iqr, "tokens_per_s": 30.0, "greedy_equal": True, "divergences": []}
+
+
+def test_compare_runs_applies_the_stated_noise(results):
+    page = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.90, 1.10, 0.20), _row("dspark", 4, 1.80, 1.05, 0.05)]
+    fresh = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.90, 0.95, 0.10), _row("dspark", 4, 1.80, 1.15, 0.04)]
+    rows = {r["method"]: r for r in results.compare_runs("gsm8k", 0.0, page, fresh)}
+    assert rows["treespark"]["reproduced"] and rows["treespark"]["noise"] == pytest.approx(0.20)
+    assert not rows["dspark"]["reproduced"]  # moved 0.10 against an IQR of 0.05
+    assert rows["ar"]["reproduced"]
+    shifted = results.compare_runs("gsm8k", 0.0, page, [_row("treespark", 4, 1.80, 1.10, 0.20)])
+    assert not shifted[0]["reproduced"]  # τ moved by 0.10 > TAU_TOL
+
+
+def test_others_share_subtracts_own_cpu_time(results):
+    start, end = (100.0, 5.0, 0.0), (118.0, 13.0, 10.0)  # 18 busy s, 8 own s, 10 wall s
+    cores = results.os.cpu_count()
+    assert results._others_share(start, end) == pytest.approx(10.0 / (10.0 * cores))
+    assert results._others_share(None, end) is None
+
+
+def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    rows = [_row("ar", None, 1.0, 1.0, 0.0), _row("dspark", 4, 1.7, 1.05, 0.1), _row("ddtree", 4, 1.95, 0.9, 0.1),
+            _row("treespark", 4, 1.9, 1.2, 0.1)]
+    (out / "bench-gsm8k-t0.json").write_text(json.dumps(rows))
+    args = {"sets": "gsm8k", "temps": "0", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1}
+    (out / "meta.json").write_text(json.dumps({"minutes": 3.0, "machine": "cpu (x86_64, 2 cores)", "args": args,
+                                               "others_cpu": [0.02]}))
+    rep = {"date": "2026-11-30", "machine": "cpu", "others_cpu": [0.01],
+           "rows": results.compare_runs("gsm8k", 0.0, rows, rows)}
+    (out / "reproduction.json").write_text(json.dumps(rep))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{results.README_START}\nold\n{results.README_END}\noutro\n")
+    md = results.render(["gsm8k"], [0.0], [4], out, tmp_path / "data", tmp_path / "RESULTS.md", readme)
+    assert (tmp_path / "RESULTS.md").read_text() == md
+    assert (tmp_path / "results_tau_speedup.png").stat().st_size > 0
+    assert "treespark τ > dspark τ at budgets [4] of [4]" in md
+    assert "treespark τ > ddtree τ at budgets none of [4]" in md
+    assert "1.20 ± 0.10 at budget 4 (above 1 by more than half its IQR)" in md
+    assert "4 of 4 rows reproduced within the stated noise" in md
+    assert "other processes used 2 % of the" in md
+    assert "## Builder ablation" in md and "Not run yet: `experiments/train_drafters.sh ablate`" in md
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    assert "| treespark | 4 | 1.90 | 1.20 ± 0.10 |" in text
