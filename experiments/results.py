@@ -46,6 +46,7 @@ from treespark_jax.bench.compare import compare  # noqa: E402
 from treespark_jax.config import BUILDERS  # noqa: E402
 from treespark_jax.decode.cost_model import current_device_kind  # noqa: E402
 from treespark_jax.methods import METHODS  # noqa: E402
+from treespark_jax.train.chain_losses import LossConfig  # noqa: E402
 from treespark_jax.train.prompts import load_prompts, prompt_ids  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -121,7 +122,10 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-ABLATIONS = ("full", "no_tree_terms", "no_coverage", "no_edge")
+ABLATIONS = ("start", "full", "no_tree_terms", "no_coverage", "no_edge")  # start: the dspark drafter itself
+
+
+TREE_TERMS = {k: getattr(LossConfig(), k) for k in ("tree_tv", "tree_ce", "tree_coverage", "tree_edge")}
 
 
 def loss_ablation(data: Path) -> str | None:
@@ -132,12 +136,14 @@ def loss_ablation(data: Path) -> str | None:
     lines = ["| variant | loss weights changed | chain τ | tree τ (budget) | α₁ α₂ α₃ |", "|---|---|---|---|---|"]
     for name, d in runs:
         ev = json.loads((d / "eval.json").read_text())
-        run = json.loads((d / "run.json").read_text())
-        default = {"tree_tv": 0.9, "tree_ce": 0.1, "tree_coverage": 1.0, "tree_edge": 1.0}
-        changed = ", ".join(f"{k}={run['loss_config'][k]:g}" for k in default if run["loss_config"][k] != default[k])
-        lines.append(f"| {name} | {changed or '—'} | {ev['chain_tau']:.3f} | {_fmt(ev['tree_tau'], '.3f')} ({ev['budget']}) | "
+        if name == "start":
+            changed = "(the dspark drafter, no treespark steps)"
+        else:
+            config = json.loads((d / "run.json").read_text())["loss_config"]
+            changed = ", ".join(f"{k}={config[k]:g}" for k in TREE_TERMS if config[k] != TREE_TERMS[k]) or "—"
+        lines.append(f"| {name} | {changed} | {ev['chain_tau']:.3f} | {_fmt(ev['tree_tau'], '.3f')} ({ev['budget']}) | "
                      + " ".join(f"{a:.2f}" for a in ev["alpha"][:3]) + " |")
-    steps = json.loads((runs[0][1] / "run.json").read_text())["train"]["steps"]
+    steps = next((json.loads((d / "run.json").read_text())["train"]["steps"] for name, d in runs if name != "start"), 0)
     return (f"Each variant: the treespark loss from the dspark drafter for {steps} steps on the same data "
             "(`experiments/train_drafters.sh ablate`), scored offline by `treespark eval-drafter` on the GSM8K "
             "held-out rollouts (greedy; tree τ = 1 + the longest gold prefix inside the treespark builder's tree "
