@@ -183,6 +183,9 @@ def _bench_tables(lm, args, sets, temps, budgets, out: Path, log) -> dict:
             results[(s, t)] = compare(lm, prompts[s], METHODS, budgets, temp=t, max_new_tokens=args.max_new_tokens,
                                       repeats=args.repeats, progress=log)
             (out / f"bench-{s}-t{t:g}.json").write_text(json.dumps(results[(s, t)], indent=2))
+            # A table's programs stay alive while it interleaves them; dropped after it, because each
+            # XLA CPU program maps ~1,400 memory regions and Linux allows 65,530 per process.
+            jax.clear_caches()
     return results
 
 
