@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -162,8 +163,8 @@ def _cpu_clock() -> tuple[float, float, float] | None:
     except OSError:
         return None
     busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    own = os.times()
-    return busy, own.user + own.system, time.time()
+    own = os.times()  # this process and its finished measuring processes
+    return busy, own.user + own.system + own.children_user + own.children_system, time.time()
 
 
 def _others_share(start, end) -> float | None:
@@ -173,20 +174,32 @@ def _others_share(start, end) -> float | None:
     return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / ((end[2] - start[2]) * os.cpu_count()))
 
 
-def _bench_tables(lm, args, sets, temps, budgets, out: Path, log) -> dict:
-    """``bench.compare`` over every method and budget per (set, temp); rows written to ``out``."""
-    prompts = {s: [prompt_ids(lm.tokenizer, r) for r in load_prompts(s, "eval")[: args.limit]] for s in sets}
-    results = {}
-    for s in sets:
-        for t in temps:
-            log(f"== {s}, temp {t}")
-            results[(s, t)] = compare(lm, prompts[s], METHODS, budgets, temp=t, max_new_tokens=args.max_new_tokens,
-                                      repeats=args.repeats, progress=log)
-            (out / f"bench-{s}-t{t:g}.json").write_text(json.dumps(results[(s, t)], indent=2))
-            # A table's programs stay alive while it interleaves them; dropped after it, because each
-            # XLA CPU program maps ~1,400 memory regions and Linux allows 65,530 per process.
-            jax.clear_caches()
-    return results
+def _measure_one(args, job: str, out: Path) -> None:
+    """``--only bench:SET:TEMP`` (every method × budget) or ``--only builders:SET`` (the builder
+    ablation at the largest budget, temp 0): measured in this process, rows written to ``out``."""
+    kind, name, *temp = job.split(":")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    lm = load(PRESET)
+    prompts = [prompt_ids(lm.tokenizer, r) for r in load_prompts(name, "eval")[: args.limit]]
+    if kind == "bench":
+        rows = compare(lm, prompts, METHODS, budgets, temp=float(temp[0]), max_new_tokens=args.max_new_tokens,
+                       repeats=args.repeats, progress=_log)
+        (out / f"bench-{name}-t{float(temp[0]):g}.json").write_text(json.dumps(rows, indent=2))
+    else:
+        rows = [row for b in BUILDERS for row in compare(lm, prompts, ["treespark"], [max(budgets)], builder=b,
+                                                         max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                                                         progress=_log)]
+        (out / "ablation-builders.json").write_text(json.dumps({"set": name, "rows": rows}, indent=2))
+
+
+def _run_jobs(args, jobs: list[str], out: Path) -> None:
+    """Each job in its own process: every XLA CPU program maps ~1,400 memory regions (jax 0.10.2)
+    against Linux's 65,530 per process, and one process measuring several tables died in LLVM's
+    code allocator even with ``jax.clear_caches()`` between them."""
+    protocol = [f"--{k.replace('_', '-')}={vars(args)[k]}" for k in PROTOCOL]
+    for job in jobs:
+        _log(f"== {job}")
+        subprocess.run([sys.executable, __file__, *protocol, f"--out={out}", f"--only={job}"], check=True)
 
 
 def _log(line: str) -> None:
@@ -196,14 +209,7 @@ def _log(line: str) -> None:
 def measure(args, sets, temps, budgets, out: Path) -> None:
     """Runs every benchmark and writes the JSON rows under ``out``."""
     started, clock = time.time(), _cpu_clock()
-    lm = load(PRESET)
-    _bench_tables(lm, args, sets, temps, budgets, out, _log)
-    _log("== builder ablation")
-    first = [prompt_ids(lm.tokenizer, r) for r in load_prompts(sets[0], "eval")[: args.limit]]
-    ablation = [row for b in BUILDERS
-                for row in compare(lm, first, ["treespark"], [max(budgets)], builder=b,
-                                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=_log)]
-    (out / "ablation-builders.json").write_text(json.dumps({"set": sets[0], "rows": ablation}, indent=2))
+    _run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps] + [f"builders:{sets[0]}"], out)
     meta = {"minutes": (time.time() - started) / 60, "machine": _machine(), "args": vars(args),
             "others_cpu": [_others_share(clock, _cpu_clock())], "date": time.strftime("%Y-%m-%d")}
     if (out / "meta.json").is_file():  # runs over other sets or temperatures add up on one page
@@ -255,9 +261,10 @@ def check(args, sets, temps, budgets, out: Path) -> None:
                              f"the page used {meta['args'][k]}.")
     clock = _cpu_clock()
     (out / "check").mkdir(exist_ok=True)
-    new = _bench_tables(load(PRESET), args, sets, temps, budgets, out / "check", _log)
-    rows = [row for (s, t), fresh in new.items()
-            for row in compare_runs(s, t, json.loads((out / f"bench-{s}-t{t:g}.json").read_text()), fresh)]
+    _run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps], out / "check")
+    rows = [row for s in sets for t in temps
+            for row in compare_runs(s, t, json.loads((out / f"bench-{s}-t{t:g}.json").read_text()),
+                                    json.loads((out / "check" / f"bench-{s}-t{t:g}.json").read_text()))]
     rep = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "others_cpu": [_others_share(clock, _cpu_clock())],
            "rows": rows}
     (out / "reproduction.json").write_text(json.dumps(rep, indent=2))
@@ -380,6 +387,7 @@ def main() -> None:
     p.add_argument("--data", default=str(HERE / "data"), help="train_drafters.sh's $DATA (loss ablation)")
     p.add_argument("--results-md", default=str(HERE / "RESULTS.md"))
     p.add_argument("--render-only", action="store_true", help="rebuild RESULTS.md from the JSON under --out")
+    p.add_argument("--only", help=argparse.SUPPRESS)  # one measuring job, run by measure/check in a subprocess
     p.add_argument("--check", action="store_true",
                    help="measure --sets/--temps again and record whether the page's rows reproduce")
     args = p.parse_args()
@@ -387,6 +395,8 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        return _measure_one(args, args.only, out)
     if args.check:
         check(args, sets, temps, budgets, out)
         meta = json.loads((out / "meta.json").read_text())["args"]
