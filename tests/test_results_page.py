@@ -82,3 +82,13 @@ def test_loss_ablation_names_the_changed_weights(results, tmp_path):
     assert "| start | (the dspark drafter, no treespark steps) | 1.600 | 2.100 (16) | 0.50 0.40 0.30 |" in table
     assert "| full | — |" in table and "| no_edge | tree_edge=0 |" in table
     assert results.loss_ablation(tmp_path / "missing") is None
+
+
+def test_measuring_refuses_a_low_map_limit_before_starting(results, tmp_path, monkeypatch):
+    limit = tmp_path / "max_map_count"
+    limit.write_text("65530\n")
+    monkeypatch.setattr(results, "MAP_COUNT", limit)
+    monkeypatch.setattr(results.subprocess, "run", lambda *a, **k: pytest.fail("a measuring job was started"))
+    args = results.argparse.Namespace(limit=4, max_new_tokens=64, budgets="4", repeats=1)
+    with pytest.raises(SystemExit, match="vm.max_map_count is 65530, and a results table needs at least 262144"):
+        results._run_jobs(args, ["bench:gsm8k:0"], tmp_path)
