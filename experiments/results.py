@@ -43,7 +43,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from treespark_jax.api import load  # noqa: E402
-from treespark_jax.bench.compare import compare  # noqa: E402
+from treespark_jax.bench.compare import compare, map_count_shortfall  # noqa: E402
 from treespark_jax.config import BUILDERS  # noqa: E402
 from treespark_jax.decode.cost_model import current_device_kind  # noqa: E402
 from treespark_jax.methods import METHODS  # noqa: E402
@@ -192,23 +192,17 @@ def _measure_one(args, job: str, out: Path) -> None:
         (out / "ablation-builders.json").write_text(json.dumps({"set": name, "rows": rows}, indent=2))
 
 
-MIN_MAP_COUNT = 262_144
-MAP_COUNT = Path("/proc/sys/vm/max_map_count")
-
-
 def _run_jobs(args, jobs: list[str], out: Path) -> None:
-    """Each job in its own process. A table keeps ~20 programs alive to interleave them, and XLA's
-    CPU backend (jax 0.10.2) maps ~400 memory regions per compiled program and ~4,000 per (method,
-    budget) at temp 1: one temp-1 table alone passed Linux's default of 65,530 maps per process and
-    died in LLVM's code allocator.
+    """Each job in its own process. A table keeps every (method, budget)'s programs alive to
+    interleave them, and XLA's CPU backend maps thousands of memory regions per (method, budget)
+    (``bench.compare.MAPS_PER_ROW``): one temp-1 table alone passed Linux's default of 65,530 maps
+    per process and died in LLVM's code allocator.
 
     Raises:
-        SystemExit: ``vm.max_map_count`` is below ``MIN_MAP_COUNT``.
+        SystemExit: ``vm.max_map_count`` is too low for one table (``bench.compare.map_count_shortfall``).
     """
-    if MAP_COUNT.is_file() and int(MAP_COUNT.read_text()) < MIN_MAP_COUNT:
-        raise SystemExit(f"vm.max_map_count is {int(MAP_COUNT.read_text())}, and a results table needs at least "
-                         f"{MIN_MAP_COUNT} memory maps in one process; raise it with "
-                         f"`sudo sysctl -w vm.max_map_count={MIN_MAP_COUNT}`.")
+    if shortfall := map_count_shortfall(1 + (len(METHODS) - 1) * len(args.budgets.split(","))):
+        raise SystemExit(shortfall)
     protocol = [f"--{k.replace('_', '-')}={vars(args)[k]}" for k in PROTOCOL]
     for job in jobs:
         _log(f"== {job}")

@@ -56,9 +56,9 @@ def ar_reference(target64):
 
 @pytest.fixture(scope="module", autouse=True)
 def _drop_compiled_programs_after_each_module():
-    """A pytest process compiles hundreds of one-off programs. Each XLA CPU program maps about
-    1,400 memory regions (jax 0.10.2) and Linux allows 65,530 per process (vm.max_map_count);
-    past that LLVM cannot allocate code sections and the process dies inside XLA's compiler.
-    Each module's programs are dropped when it finishes."""
+    """A pytest process compiles hundreds of one-off programs. XLA's CPU backend maps hundreds of
+    memory regions per compiled program (jax 0.10.2) and Linux allows 65,530 per process
+    (vm.max_map_count); past that LLVM cannot allocate code sections and the process dies inside
+    XLA's compiler. Each module's programs are dropped when it finishes."""
     yield
     jax.clear_caches()

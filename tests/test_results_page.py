@@ -87,8 +87,8 @@ def test_loss_ablation_names_the_changed_weights(results, tmp_path):
 def test_measuring_refuses_a_low_map_limit_before_starting(results, tmp_path, monkeypatch):
     limit = tmp_path / "max_map_count"
     limit.write_text("65530\n")
-    monkeypatch.setattr(results, "MAP_COUNT", limit)
+    monkeypatch.setattr("treespark_jax.bench.compare.MAP_COUNT", limit)
     monkeypatch.setattr(results.subprocess, "run", lambda *a, **k: pytest.fail("a measuring job was started"))
-    args = results.argparse.Namespace(limit=4, max_new_tokens=64, budgets="4", repeats=1)
-    with pytest.raises(SystemExit, match="vm.max_map_count is 65530, and a results table needs at least 262144"):
+    args = results.argparse.Namespace(limit=4, max_new_tokens=64, budgets="4,8,16", repeats=1)
+    with pytest.raises(SystemExit, match="19 .method, budget. rows .* above this machine's vm.max_map_count of 65,530"):
         results._run_jobs(args, ["bench:gsm8k:0"], tmp_path)
