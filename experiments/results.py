@@ -96,6 +96,10 @@ def verdicts(rows: list[dict], budgets: list[int]) -> list[str]:
                    "above 1, but within half its IQR of 1: not a clear speedup" if best["speedup"] > 1 else "not above 1")
         out.append(f"treespark's best speedup over AR: {best['speedup']:.2f} ± {best['speedup_iqr']:.2f} "
                    f"at budget {best['budget']} ({verdict})")
+    fastest = max((r for r in rows if r["budget"] is not None), key=lambda r: r["speedup"], default=None)
+    if fastest and fastest["method"] != "treespark":
+        out.append(f"fastest row: {fastest['method']} at budget {fastest['budget']}, "
+                   f"{fastest['speedup']:.2f} ± {fastest['speedup_iqr']:.2f}")
     return out
 
 

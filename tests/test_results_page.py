@@ -60,6 +60,9 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     assert "treespark τ > dspark τ at budgets [4] of [4]" in md
     assert "treespark τ > ddtree τ at budgets none of [4]" in md
     assert "1.20 ± 0.10 at budget 4 (above 1 by more than half its IQR)" in md
+    assert "fastest row" not in md  # treespark is the fastest here
+    faster = results.verdicts(rows + [_row("dspark", 8, 1.7, 1.3, 0.2)], [4, 8])
+    assert faster[-1] == "fastest row: dspark at budget 8, 1.30 ± 0.20"
     assert "4 of 4 rows reproduced within the stated noise" in md
     assert "other processes used 2 % of the" in md
     assert "## Builder ablation" in md and "Not run yet: `experiments/train_drafters.sh ablate`" in md
