@@ -70,12 +70,13 @@ def test_drafter_method_with_a_saved_drafter_matches_greedy_ar(preset, capsys, t
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--prompt", ""], "prompt 0 is empty"),
+    (["--prompt", ""], "the prompt is empty"),
     (["--prompt", "hi " * 9000], "more than the model's context of 8192 tokens"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens=0 must be at least 1"),
     (["--prompt", "hi", "--temp", "-1"], "temperature -1.0 is negative"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
-    (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be at least 1"),
+    (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be between 1 and 1024"),
+    (["--prompt", "hi", "--budget", "100000"], "budget=100000 must be between 1 and 1024"),
     (["--prompt", "hi", "--method", "dflash", "--drafter", "/no/such/drafter"], "/no/such/drafter"),
     (["--prompt", "hi", "--method", "ar", "--drafter", "random"], "method 'ar' uses no block drafter"),
 ])

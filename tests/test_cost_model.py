@@ -234,7 +234,7 @@ def test_profile_command_writes_the_profile_and_prints_the_table(tmp_path, monke
 @pytest.mark.parametrize("flags, message", [
     (["--contexts", "64,x"], "contexts '64,x' must be comma-separated positive integers"),
     (["--contexts", "256,64"], "strictly ascending"),
-    (["--budget", "0"], "budget=0 must be at least 1"),
+    (["--budget", "0"], "budget=0 must be between 1 and 1024"),
     (["--repeats", "0"], "repeats=0 must be at least 1"),
     (["--budget", "16", "--contexts", "8,64"], "context 8 is too short for budget 16"),
 ])

@@ -90,7 +90,8 @@ def test_stream_yields_the_same_tokens_as_generate(model):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(prompts=[[]]), "prompt 0 is empty"),
+    (dict(prompts=[[]]), "the prompt is empty"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
     (dict(prompts=[[1] * 500]), "more than the model's context of 512 tokens"),
     (dict(max_new_tokens=0), "max_new_tokens=0 must be at least 1"),
     (dict(temp=-0.5), "temperature -0.5 is negative"),

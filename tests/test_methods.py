@@ -105,7 +105,8 @@ def test_dspark_chain_scores_nodes_by_the_confidence_head(target64):
     ("beam", {}, "method 'beam' is unknown"),
     ("treespark", {}, "needs a trained block drafter"),
     ("ar", {"builder": "chain"}, "method 'ar' drafts nothing"),
-    ("prompt_lookup", {"budget": 0}, "budget=0 must be at least 1"),
+    ("prompt_lookup", {"budget": 0}, "budget=0 must be between 1 and 1024"),
+    ("prompt_lookup", {"budget": 1025}, "budget=1025 must be between 1 and 1024"),
 ])
 def test_bad_method_settings_are_one_sentence_errors(target64, method, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -40,8 +40,9 @@ def test_unknown_preset_error_lists_the_choices(empty_cache):
     with pytest.raises(PresetError) as err:
         resolve_target("llama-7b")
     assert str(err.value) == UNKNOWN
-    with pytest.raises(PresetError, match="unknown preset 'llama-7b'"):
+    with pytest.raises(PresetError) as err:  # fetching takes preset names only
         presets.preset_path("llama-7b")
+    assert str(err.value) == "unknown preset 'llama-7b'; choose one of " + ", ".join(PRESETS) + "."
 
 
 def test_list_presets_without_downloading(empty_cache):
@@ -84,8 +85,10 @@ def test_resolve_rejects_paths_that_are_not_models(tmp_path):
         resolve_target(not_gguf)
     with pytest.raises(PresetError, match="has no config.json"):
         resolve_target(tmp_path)
-    with pytest.raises(PresetError, match="unknown preset"):
+    with pytest.raises(PresetError, match=r"missing.gguf' does not exist; pass an existing GGUF file"):
         resolve_target(tmp_path / "missing.gguf")
+    with pytest.raises(PresetError, match=r"'/nonexistent' does not exist"):
+        resolve_target("/nonexistent")
 
 
 def test_preset_fetch_errors_are_asset_errors(empty_cache, monkeypatch):

@@ -136,6 +136,8 @@ def test_unknown_set_names_the_sets():
     with pytest.raises(ValueError, match=r"unknown prompt set 'alpaca'; choose one of humaneval, gsm8k, "
                                          r"mtbench, or pass the path of a JSONL file"):
         load_prompts("alpaca", "train")
+    with pytest.raises(ValueError, match=r"prompt file '/no/such.jsonl' does not exist; pass an existing JSONL file"):
+        load_prompts("/no/such.jsonl")
 
 
 def test_pinned_count_mismatch_is_an_error(fake_sets, monkeypatch):

@@ -308,3 +308,9 @@ def _remove(path: Path) -> None:
     """Removes ``path`` and its sidecar if they exist."""
     for p in (path, _sidecar(path)):
         p.unlink(missing_ok=True)
+
+
+def looks_like_path(value: str) -> bool:
+    """Whether a command-line value that names nothing known was meant as a file path."""
+    return ("/" in value or "\\" in value or value.startswith(("~", "."))
+            or Path(value).suffix.lower() in (".gguf", ".jsonl", ".json"))

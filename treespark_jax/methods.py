@@ -96,6 +96,17 @@ def drafter_config(loss: str, target: ModelConfig, **fields) -> DrafterConfig:
     return DrafterConfig.for_target(target, **{**heads[loss], **fields})
 
 
+MAX_BUDGET = 1024
+"""Largest tree budget N accepted (drafted nodes per round). One round verifies N + 1 rows
+against the whole KV cache; a budget of 100,000 asked the CPU for a terabyte before it failed."""
+
+
+def check_budget(budget: int) -> None:
+    """Raises ``ValueError`` (one sentence) for a tree budget outside ``1..MAX_BUDGET``."""
+    if not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget={budget} must be between 1 and {MAX_BUDGET} drafted nodes.")
+
+
 def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
                 drafter: BlockDrafter | None = None, builder: str | None = None,
                 verify: str | None = None) -> Speculation | None:
@@ -110,7 +121,7 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
       verify: overrides the recipe's verify rule at temp > 0 (``config.VERIFY_RULES``).
 
     Raises:
-      ValueError: unknown method, builder or rule; a budget below 1; a drafter method without
+      ValueError: unknown method, builder or rule; a budget outside 1..MAX_BUDGET; a drafter method without
         a drafter; or overrides given for ``ar``.
     """
     from treespark_jax.decode.engine import Speculation
@@ -118,8 +129,7 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     from treespark_jax.drafter.prompt_lookup import PromptLookup
 
     r = recipe(method)
-    if budget < 1:
-        raise ValueError(f"budget={budget} must be at least 1 drafted node.")
+    check_budget(budget)
     if r.proposer is None:
         if builder or verify or drafter is not None:
             raise ValueError("method 'ar' drafts nothing; drop the drafter, builder and verify overrides.")

@@ -35,7 +35,7 @@ import numpy as np
 from treespark_jax.api import TreeSpark
 from treespark_jax.bench.greedy_check import first_divergence
 from treespark_jax.decode.engine import GenerationStats, Speculation, depth_rates
-from treespark_jax.methods import METHODS, recipe
+from treespark_jax.methods import METHODS, check_budget, recipe
 
 
 @dataclasses.dataclass
@@ -80,13 +80,12 @@ def _iqr(xs: Sequence[float]) -> float:
 
 
 def check_methods(methods: Sequence[str], budgets: Sequence[int]) -> None:
-    """Raises ``ValueError`` (one sentence) for an unknown method or a budget below 1."""
+    """Raises ``ValueError`` (one sentence) for an unknown method or a budget outside ``1..MAX_BUDGET``."""
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}.")
     for b in budgets:
-        if b < 1:
-            raise ValueError(f"budget {b} must be at least 1 drafted node.")
+        check_budget(b)
 
 
 MAPS_PER_ROW = 4_000

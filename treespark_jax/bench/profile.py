@@ -23,7 +23,7 @@ from treespark_jax.decode.cost_model import CostModel, current_device_kind
 from treespark_jax.drafter.block_proposer import BlockProposer
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafter.proposer import Committed
-from treespark_jax.methods import TREE_BRANCH, drafter_config
+from treespark_jax.methods import TREE_BRANCH, check_budget, drafter_config
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.tree.builders import build_tree
@@ -180,12 +180,11 @@ def check_profile_args(budget: int, contexts: tuple[int, ...], repeats: int, max
     """Validates ``profile_cost``'s settings before anything is loaded or compiled.
 
     Raises:
-      ValueError: a budget or repeat count below 1, no contexts, a context too short for the
+      ValueError: a budget outside ``1..MAX_BUDGET``, a repeat count below 1, no contexts, a context too short for the
         tree (``budget + 2`` positions: the tree rows plus one committed token), or one beyond
         the model's ``max_positions``.
     """
-    if budget < 1:
-        raise ValueError(f"budget={budget} must be at least 1 drafted node.")
+    check_budget(budget)
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1.")
     if not contexts:

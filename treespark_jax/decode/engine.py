@@ -161,11 +161,12 @@ def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temp: float, 
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} is outside (0, 1].")
     for i, n in enumerate(prompt_lens):
+        which = "the prompt" if len(prompt_lens) == 1 else f"prompt {i}"
         if n < 1:
-            raise ValueError(f"prompt {i} is empty; give at least one token of text.")
+            raise ValueError(f"{which} is empty; give at least one token of text.")
         if n + max_new_tokens > context:
             raise ValueError(
-                f"prompt {i} has {n} tokens and max_new_tokens={max_new_tokens}, together more "
+                f"{which} has {n} token{'s' * (n != 1)} and max_new_tokens={max_new_tokens}, together more "
                 f"than the model's context of {context} tokens.")
 
 

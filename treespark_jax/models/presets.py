@@ -18,7 +18,7 @@ import dataclasses
 from pathlib import Path
 
 from treespark_jax import assets
-from treespark_jax.assets import Asset, Part
+from treespark_jax.assets import Asset, Part, looks_like_path
 from treespark_jax.config import Family
 
 _GGUF_MAGIC = b"GGUF"
@@ -104,15 +104,8 @@ def get_preset(name: str) -> Preset:
       PresetError: ``name`` is not a preset (the message lists the presets).
     """
     if name not in PRESETS:
-        raise _unknown_preset(name)
+        raise PresetError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}.")
     return PRESETS[name]
-
-
-def _unknown_preset(name: str) -> PresetError:
-    return PresetError(
-        f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}, "
-        "or pass a path to a GGUF file or a Hugging Face directory."
-    )
 
 
 def preset_path(name: str, fetch: bool = True) -> Path:
@@ -180,4 +173,8 @@ def resolve_target(preset_or_path: str | Path) -> Path:
             if f.read(len(_GGUF_MAGIC)) != _GGUF_MAGIC:
                 raise PresetError(f"file {str(path)!r} is not a GGUF file (it does not start with 'GGUF').")
         return path
-    raise _unknown_preset(str(preset_or_path))
+    if looks_like_path(str(preset_or_path)):
+        raise PresetError(f"{str(path)!r} does not exist; pass an existing GGUF file or Hugging Face directory, "
+                          f"or a preset ({', '.join(PRESETS)}).")
+    raise PresetError(f"unknown preset {str(preset_or_path)!r}; choose one of {', '.join(PRESETS)}, "
+                      "or pass a path to a GGUF file or a Hugging Face directory.")

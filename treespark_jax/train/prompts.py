@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from treespark_jax.assets import looks_like_path
 from treespark_jax.train.prompt_sets import PROMPT_SETS, WRAPPERS, PromptRecord, read_set
 
 __all__ = [
@@ -112,6 +113,9 @@ def load_prompts(source: str | Path, split: Split | None = None, *, seed: int = 
     if isinstance(source, str) and source in PROMPT_SETS:
         return _load_set(source, split, seed, eval_size)
     path = Path(source).expanduser()
+    if not path.is_file() and looks_like_path(str(source)):
+        raise ValueError(f"prompt file {str(path)!r} does not exist; pass an existing JSONL file with a \"prompt\" "
+                         f"field per line, or a prompt set ({', '.join(PROMPT_SETS)}).")
     if not path.is_file():
         raise ValueError(
             f"unknown prompt set {str(source)!r}; choose one of {', '.join(PROMPT_SETS)}, "
