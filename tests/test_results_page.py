@@ -84,6 +84,7 @@ def test_loss_ablation_names_the_changed_weights(results, tmp_path):
     assert "for 100 steps" in table
     assert "| start | (the dspark drafter, no treespark steps) | 1.600 | 2.100 (16) | 0.50 0.40 0.30 |" in table
     assert "| full | — |" in table and "| no_edge | tree_edge=0 |" in table
+    assert "- no_edge against start: chain τ 1.600 → 1.600, tree τ 2.100 → 2.100" in table
     assert results.loss_ablation(tmp_path / "missing") is None
 
 
