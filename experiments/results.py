@@ -222,7 +222,7 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def measure(args, sets, temps, budgets, out: Path) -> None:
+def measure(args, sets, temps, out: Path) -> None:
     """Runs every benchmark and writes the JSON rows under ``out``."""
     started, clock = time.time(), _cpu_clock()
     _run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps] + [f"builders:{sets[0]}"], out)
@@ -256,7 +256,7 @@ def compare_runs(name: str, temp: float, page: list[dict], fresh: list[dict]) ->
     return rows
 
 
-def check(args, sets, temps, budgets, out: Path) -> None:
+def check(args, sets, temps, out: Path) -> None:
     """Measures the (set, temp) tables again under ``out/check`` and writes ``out/reproduction.json``:
     per row, the page's and the new τ and speedup and whether the new ones are within the stated
     noise (|Δτ| ≤ TAU_TOL; |Δspeedup| ≤ the larger of the two runs' IQRs).
@@ -418,11 +418,11 @@ def main() -> None:
     if args.only:
         return _measure_one(args, args.only, out)
     if args.check:
-        check(args, sets, temps, budgets, out)
+        check(args, sets, temps, out)
         meta = json.loads((out / "meta.json").read_text())["args"]
         sets, temps = meta["sets"].split(","), [float(t) for t in meta["temps"].split(",")]
     elif not args.render_only:
-        measure(args, sets, temps, budgets, out)
+        measure(args, sets, temps, out)
     print(render(sets, temps, budgets, out, Path(args.data), Path(args.results_md), HERE.parent / "README.md"))
 
 
