@@ -231,6 +231,35 @@ def test_profile_command_writes_the_profile_and_prints_the_table(tmp_path, monke
     assert stored.target == "tiny.float32" and stored.rows == (2,) and str(tmp_path) in out.err
 
 
+def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
+    """--drafter PATH times that drafter's round; 'random' and a target without a shipped
+    drafter time ``profile_drafter`` (``drafter=None``)."""
+    from flax import nnx
+
+    from treespark_jax.bench import profile as prof
+    from treespark_jax.config import DrafterConfig
+    from treespark_jax.drafter import checkpoint
+    from treespark_jax.drafter.model import BlockDrafter
+    from treespark_jax.models import load
+
+    model = tiny_decoder("llama", dtype=jnp.float32)
+    monkeypatch.setattr(load, "load_target", lambda name, dtype: load.Target(
+        name=name, path=tmp_path, cfg=model.cfg, model=model, tokenizer=None))
+    drafter = BlockDrafter(DrafterConfig(target_layer_ids=(0, 2), block_size=4, pool_size=16, markov_rank=4,
+                                         edge_head=True, draft_vocab=32), model.cfg, rngs=nnx.Rngs(0),
+                           dtype=model.dtype)
+    loaded = []
+    monkeypatch.setattr(checkpoint, "load_drafter", lambda path, target, dtype: loaded.append(path) or (drafter, None))
+    timed, real = [], prof.profile_cost
+    monkeypatch.setattr(prof, "profile_cost", lambda *a, **k: timed.append(k["drafter"]) or real(*a, **k))
+    monkeypatch.setenv("TREESPARK_CACHE", str(tmp_path))
+    args = ["profile", "--target", str(tmp_path / "tiny"), "--budget", "1", "--contexts", "12", "--repeats", "1"]
+    assert main(args + ["--drafter", str(tmp_path / "mine")]) == 0
+    assert loaded == [str(tmp_path / "mine")] and timed[0] is drafter
+    assert main(args + ["--drafter", "random"]) == 0 and main(args) == 0
+    assert timed[1:] == [None, None] and len(loaded) == 1
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--contexts", "64,x"], "contexts '64,x' must be comma-separated positive integers"),
     (["--contexts", "256,64"], "strictly ascending"),

@@ -213,15 +213,16 @@ def profile_rows(budget: int) -> tuple[int, ...]:
 
 
 def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[int, ...] = (64, 256, 1024),
-                 repeats: int = 5, progress: bool = False) -> CostModel:
+                 repeats: int = 5, drafter: BlockDrafter | None = None, progress: bool = False) -> CostModel:
     """Measures and fits the round costs of ``model`` on JAX's default device (batch 1).
 
     For each context length ``S`` (key positions: the cache is ``S`` long, its first
     ``S − rows`` positions committed) and each of ``profile_rows(budget)``: the verify latency
-    (``forward_call``); per context, the draft latency of a random ``profile_drafter`` with the
-    ``treespark`` builder at ``budget`` (``draft_call``). All calls are compiled first, then
-    timed in ``repeats`` interleaved sweeps (``interleaved_seconds``); the per-cell medians are
-    fitted by ``CostModel.fit`` (monotone convex in rows).
+    (``forward_call``); per context, the draft latency of ``drafter`` (default: a random
+    ``profile_drafter``) with the ``treespark`` builder at ``budget`` (``draft_call``). All
+    calls are compiled first, then timed in ``repeats`` interleaved sweeps
+    (``interleaved_seconds``); the per-cell medians are fitted by ``CostModel.fit`` (monotone
+    convex in rows).
 
     Args:
       model: the target.
@@ -229,6 +230,9 @@ def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[in
       budget: tree budget N; its default ladder and those of its halvings give the rows.
       contexts: ascending context lengths (tokens).
       repeats: timed calls per measurement (after one warm-up call).
+      drafter: the block drafter whose round is timed (its shapes matter: layers, block size,
+        draft vocabulary); ``None`` for ``profile_drafter(model)``, which drafts from the whole
+        vocabulary and so overstates the draft cost of a drafter with a draft vocabulary.
       progress: show a progress bar.
 
     Returns:
@@ -240,7 +244,7 @@ def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[in
     contexts = tuple(contexts)
     check_profile_args(budget, contexts, repeats, model.cfg.max_positions)
     rows = profile_rows(budget)
-    drafter = profile_drafter(model)
+    drafter = profile_drafter(model) if drafter is None else drafter
     proposer = BlockProposer.create(drafter, model)
     tree = TreeConfig(budget=budget, max_depth=min(budget, drafter.cfg.block_size), branch=TREE_BRANCH,
                       builder="treespark")

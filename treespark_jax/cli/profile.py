@@ -24,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--contexts", default="64,256,1024",
                       help="comma-separated ascending context lengths (key positions, tokens)")
     prof.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
+    prof.add_argument("--drafter", default=None, metavar="PATH",
+                      help="drafter checkpoint whose round is timed (default: the treespark drafter shipped "
+                           "for the preset), or 'random' (an untrained one drafting from the whole vocabulary)")
     prof.add_argument("--out", default=None, metavar="FILE", help="write the profile here instead")
 
 
@@ -32,18 +35,23 @@ def run(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: bad ``--budget``, ``--contexts`` or ``--repeats`` (checked before the target loads),
-        or a target the loader rejects.
+        a target the loader rejects, or a drafter checkpoint ``load_drafter`` rejects.
     """
     from treespark_jax.bench.profile import check_profile_args, cost_table, parse_contexts, profile_cost
     from treespark_jax.decode.cost_model import profile_path, save_cost_model, target_id
+    from treespark_jax.drafter.checkpoint import load_drafter
+    from treespark_jax.drafters import shipped_drafter
     from treespark_jax.models.load import load_target
 
     contexts = parse_contexts(args.contexts)
     check_profile_args(args.budget, contexts, args.repeats)  # before the slow load
     name = target_name(args)
     target = load_target(name, args.dtype)
+    # The drafter that decodes by default (the shipped one), else a random whole-vocabulary one.
+    path = shipped_drafter(target.name, "treespark") if args.drafter is None else args.drafter
+    drafter = None if path in (None, "random") else load_drafter(path, target, dtype=target.model.dtype)[0]
     cost = profile_cost(target.model, target=target_id(name, args.dtype), budget=args.budget,
-                        contexts=contexts, repeats=args.repeats, progress=True)
+                        contexts=contexts, repeats=args.repeats, drafter=drafter, progress=True)
     print(cost_table(cost))
-    path = save_cost_model(cost, args.out or profile_path(cost.device, cost.target))
-    print(f"wrote {path}", file=sys.stderr)
+    written = save_cost_model(cost, args.out or profile_path(cost.device, cost.target))
+    print(f"wrote {written}", file=sys.stderr)
