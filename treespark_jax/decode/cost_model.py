@@ -30,8 +30,8 @@ latency. Monotone convex costs make the throughput ratio of the cost-aware stop 
 
 Storage: JSON at ``cache_root()/profiles/<device kind>/<target id>.json`` (written atomically);
 the default for CPU ships with the package (``decode/cost_default_cpu.json``: the 2-core
-development machine, SmolLM2-135M float32, ``treespark profile --budget 32 --contexts
-64,256,1024 --repeats 15``).
+development machine, idle, SmolLM2-135M float32 with its shipped ``treespark`` drafter,
+``treespark profile --budget 32 --contexts 64,256,1024 --repeats 15``).
 """
 
 from __future__ import annotations
