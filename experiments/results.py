@@ -127,7 +127,8 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-ABLATIONS = ("start", "full", "no_tree_terms", "no_coverage", "no_edge")  # start: the dspark drafter itself
+# start: the dspark drafter itself; unit_weights: DESIGN.md §1.4's tree weights, ten times the defaults
+ABLATIONS = ("start", "full", "unit_weights", "no_tree_terms", "no_coverage", "no_edge")
 
 
 TREE_TERMS = {k: getattr(LossConfig(), k) for k in ("tree_tv", "tree_ce", "tree_coverage", "tree_edge")}

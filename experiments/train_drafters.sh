@@ -65,7 +65,7 @@ stage_eval() {
 }
 
 ABLATE_STEPS=${ABLATE_STEPS:-100}  # steps per loss-term ablation run
-ABLATIONS="full: no_tree_terms:tree_tv=0,tree_ce=0,tree_coverage=0,tree_edge=0 no_coverage:tree_coverage=0 no_edge:tree_edge=0"
+ABLATIONS="full: unit_weights:tree_tv=0.9,tree_ce=0.1,tree_coverage=1,tree_edge=1 no_tree_terms:tree_tv=0,tree_ce=0,tree_coverage=0,tree_edge=0 no_coverage:tree_coverage=0 no_edge:tree_edge=0"
 stage_ablate() {  # treespark loss terms, each variant from the dspark drafter for ABLATE_STEPS, offline tree τ on GSM8K eval
   $T rollout --prompts gsm8k --split eval --max-new-tokens "$NEW" --batch-size 16 --out "$DATA/rollouts-gsm8k-eval"
   mkdir -p "$DATA/ablate-start"  # the reference: the dspark drafter every variant starts from
