@@ -71,6 +71,9 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
   mkdir -p "$DATA/ablate-start"  # the reference: the dspark drafter every variant starts from
   $T eval-drafter --drafter "$DATA/dspark/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
     --budget "$BUDGET" --json-out "$DATA/ablate-start/eval.json"
+  mkdir -p "$DATA/ablate-shipped"  # for scale: the treespark stage's run (STEPS steps), exported as the shipped drafter
+  $T eval-drafter --drafter "$DATA/treespark/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
+    --budget "$BUDGET" --json-out "$DATA/ablate-shipped/eval.json"
   for v in $ABLATIONS; do
     name=${v%%:*} w=${v#*:}
     $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --init "$DATA/dspark/drafter" \

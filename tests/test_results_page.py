@@ -73,15 +73,18 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
 
 def test_loss_ablation_names_the_changed_weights(results, tmp_path):
     ev = {"chain_tau": 1.6, "tree_tau": 2.1, "budget": 16, "alpha": [0.5, 0.4, 0.3, 0.2]}
-    for name, config in (("start", None), ("full", {}), ("no_edge", {"tree_edge": 0.0})):
+    for name, config in (("start", None), ("shipped", None), ("full", {}), ("no_edge", {"tree_edge": 0.0})):
         d = tmp_path / f"ablate-{name}"
         d.mkdir()
         (d / "eval.json").write_text(json.dumps(ev))
         if config is not None:
             loss = {**results.TREE_TERMS, **config}
             (d / "run.json").write_text(json.dumps({"loss_config": loss, "train": {"steps": 100}}))
+    (tmp_path / "treespark").mkdir()
+    (tmp_path / "treespark" / "run.json").write_text(json.dumps({"train": {"steps": 600}}))
     table = results.loss_ablation(tmp_path)
     assert "for 100 steps" in table
+    assert "| shipped | (the run exported as the shipped drafter: 600 steps at the default weights) |" in table
     assert "| start | (the dspark drafter, no treespark steps) | 1.600 | 2.100 (16) | 0.50 0.40 0.30 |" in table
     assert "| full | — |" in table and "| no_edge | tree_edge=0 |" in table
     assert "- no_edge against start: chain τ 1.600 → 1.600, tree τ 2.100 → 2.100" in table
