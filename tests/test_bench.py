@@ -70,6 +70,8 @@ def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path
     (["--drafter", "ar=/x"], "--drafter 'ar=/x' must be METHOD=PATH"),
     (["--split", "eval"], "a file is always used whole"),
     (["--methods", "treespark"], "none ships for target"),
+    (["--json-out", "/nonexistent-folder/r.json"], "--json-out /nonexistent-folder/r.json: its folder does not exist"),
+    (["--json-out", "."], "--json-out . is a directory; give a file path"),
 ])
 def test_bench_bad_input_is_one_sentence(tiny_dir, prompt_file, tmp_path, capsys, flags, message):
     assert _bench(tiny_dir, prompt_file, tmp_path / "x.json", *flags) == 2

@@ -266,6 +266,8 @@ def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
     (["--budget", "0"], "budget=0 must be between 1 and 1024"),
     (["--repeats", "0"], "repeats=0 must be at least 1"),
     (["--budget", "16", "--contexts", "8,64"], "context 8 is too short for budget 16"),
+    (["--out", "/nonexistent-folder/x.json"], "--out /nonexistent-folder/x.json: its folder does not exist"),
+    (["--out", "."], "--out . is a directory; give a file path"),
 ])
 def test_profile_bad_input_is_one_sentence_and_exit_2(capsys, flags, message):
     assert main(["profile"] + flags) == 2

@@ -9,7 +9,7 @@ import platform
 import sys
 from pathlib import Path
 
-from treespark_jax.cli.common import add_target_args, target_name
+from treespark_jax.cli.common import add_target_args, check_out_file, target_name
 from treespark_jax.config import BUILDERS, VERIFY_RULES
 from treespark_jax.methods import DRAFTER_METHODS, METHODS
 
@@ -98,8 +98,7 @@ def run(args: argparse.Namespace) -> None:
     for name in ("limit", "repeats", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1.")
-    if args.json_out and not Path(args.json_out).absolute().parent.is_dir():
-        raise ValueError(f"--json-out {args.json_out}: its folder does not exist.")
+    check_out_file("--json-out", args.json_out)
 
     from treespark_jax.bench.compare import check_methods, compare
     from treespark_jax.train.prompts import PROMPT_SETS, load_prompts, prompt_ids

@@ -1,8 +1,10 @@
-"""Flags shared by the commands that load a target: ``--preset`` or ``--target``, and ``--dtype``."""
+"""Flags shared by the commands that load a target (``--preset`` or ``--target``, and ``--dtype``),
+and the check of an output file flag."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from treespark_jax.models.presets import DEFAULT_PRESET, PRESETS
 
@@ -21,3 +23,19 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 def target_name(args: argparse.Namespace) -> str:
     """The target the user asked for: ``--target``, else ``--preset``, else the default preset."""
     return args.target or args.preset or DEFAULT_PRESET
+
+
+def check_out_file(flag: str, value: str | None) -> None:
+    """Checks an output file flag before any slow work: its folder must exist and it must not be
+    a directory (nothing is created).
+
+    Raises:
+      ValueError: naming the flag and the value.
+    """
+    if value is None:
+        return
+    path = Path(value).absolute()
+    if path.is_dir():
+        raise ValueError(f"{flag} {value} is a directory; give a file path.")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {value}: its folder does not exist.")

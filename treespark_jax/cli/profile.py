@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treespark_jax.cli.common import add_target_args, target_name
+from treespark_jax.cli.common import add_target_args, check_out_file, target_name
 from treespark_jax.methods import DEFAULT_BUDGET
 
 
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> None:
     """Prints the cost table and writes the profile JSON (its path goes to stderr).
 
     Raises:
-      ValueError: bad ``--budget``, ``--contexts`` or ``--repeats`` (checked before the target loads),
+      ValueError: bad ``--budget``, ``--contexts``, ``--repeats`` or ``--out`` (checked before the target loads),
         a target the loader rejects, or a drafter checkpoint ``load_drafter`` rejects.
     """
     from treespark_jax.bench.profile import check_profile_args, cost_table, parse_contexts, profile_cost
@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> None:
 
     contexts = parse_contexts(args.contexts)
     check_profile_args(args.budget, contexts, args.repeats)  # before the slow load
+    check_out_file("--out", args.out)
     name = target_name(args)
     target = load_target(name, args.dtype)
     # The drafter that decodes by default (the shipped one), else a random whole-vocabulary one.
