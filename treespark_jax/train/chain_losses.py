@@ -43,7 +43,13 @@ def default_decay(block_size: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Weights and shape parameters of the drafter losses (defaults from DESIGN.md §1.4).
+    """Weights and shape parameters of the drafter losses (DESIGN.md §1.4, tree weights scaled down).
+
+    The tree weights are a tenth of DESIGN.md §1.4's (0.9, 0.1, 1, 1). At those, the tree
+    terms' gradient norm was about 13× the chain terms' (14.5 against 1.1 with SmolLM2-135M),
+    so with the gradient clipped at 1.0 they drowned the chain distillation of the shared
+    backbone (docs/training.md has the measurements). A head trained by one term only (the
+    edge head) hardly cares: Adam normalises its step size.
 
     Attributes:
       dflash_decay: ``γ_w`` of the ``dflash`` slot weights ``exp(−j/γ_w)``; ``None`` =
@@ -56,14 +62,6 @@ class LossConfig:
       tree_ce: ``λ_ce``, weight of the node distillation ``CE(q(·|x_u), y_u)`` (0.01).
       tree_coverage: weight of the tree-coverage term (0.1).
       tree_edge: weight of the edge-head calibration BCE (0.1).
-
-    The tree weights are a tenth of DESIGN.md §1.4's (0.9, 0.1, 1, 1). At those, the tree
-    terms' gradient norm was about 13× the chain terms' (14.5 against 1.1 with SmolLM2-135M),
-    so clipping at 1.0 starved the shared backbone of the chain signal: 100 steps from the
-    dspark drafter lowered offline chain τ on GSM8K eval from 1.79 to 1.55. At a tenth, 600
-    steps raised chain τ to 1.90 and tree τ (budget 16) to 2.50, against 1.69 and 2.41 at the
-    old weights (experiments/RESULTS.md, loss-term ablation). Heads trained only by one term
-    (the edge head) hardly care: Adam normalises their step size.
       coverage_beta: ``β`` (logit units) of the coverage sigmoid ``σ((ℓ − t_u)/β)``.
 
     Raises:
