@@ -33,6 +33,8 @@ def test_default_method_uses_the_shipped_drafter_and_compares_with_ar(preset, ca
     assert out["method"] == "treespark" and out["ar"]["identical"] is True
     assert out["token_ids"] == out["ar"]["token_ids"] and out["stats"]["tau"] > 1.0
     assert out["ar"]["speedup"] > 0 and out["ar"]["stats"]["tau"] == 1.0
+    # Both timed decodes come after an untimed warm-up of each, which compiled every program.
+    assert out["stats"]["compiles"] == 0 and out["ar"]["stats"]["compiles"] == 0
     assert main(["generate", "--preset", preset, "--prompt", "Hi", "--max-new-tokens", "4", "--compare-ar"]) == 0
     err = capsys.readouterr().err
     assert "speedup of treespark over AR" in err and "greedy output identical to AR: yes" in err
