@@ -68,13 +68,15 @@ def _equal(row) -> str:
 
 
 def table(rows: list[dict], with_builder: bool = False) -> str:
-    head = "| method | " + ("builder | " if with_builder else "") + "budget | τ | speedup ± IQR | tok/s | α₁ α₂ α₃ | greedy = AR |"
+    head = ("| method | " + ("builder | " if with_builder else "")
+            + "budget | τ | speedup ± IQR | tok/s | skipped | α₁ α₂ α₃ | greedy = AR |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         depth = " ".join(_fmt(a) for a in r["tau_per_depth"][:3]) or "—"
         cells = [r["method"]] + ([r.get("builder", "—")] if with_builder else []) + [
             _fmt(r["budget"], "d"), _fmt(r["tau"]), f"{r['speedup']:.2f} ± {r['speedup_iqr']:.2f}",
-            _fmt(r["tokens_per_s"], ".1f"), depth, _equal(r)]
+            _fmt(r["tokens_per_s"], ".1f"), _fmt(r.get("skipped") if r["budget"] is not None else None, ".0%"),
+            depth, _equal(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -128,44 +130,48 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
 
 
 # start: the dspark drafter itself; shipped: the treespark stage's run (exported as the shipped drafter);
-# unit_weights: DESIGN.md §1.4's tree weights, ten times the defaults
-ABLATIONS = ("start", "shipped", "full", "unit_weights", "no_tree_terms", "no_coverage", "no_edge")
-REFERENCES = ("start", "shipped")  # rows that are not ablation runs of their own
+# shipped_no_tree_terms: its control (same steps, every tree term off); unit_weights: DESIGN.md §1.4's tree
+# weights, ten times the defaults; the rest: ABLATE_STEPS runs
+ABLATIONS = ("start", "shipped", "shipped_no_tree_terms", "full", "unit_weights", "no_tree_terms", "no_coverage",
+             "no_edge")
 
 
 TREE_TERMS = {k: getattr(LossConfig(), k) for k in ("tree_tv", "tree_ce", "tree_coverage", "tree_edge")}
 
 
+def _ablation_row(data: Path, name: str, ev: dict) -> str:
+    """One row of the loss-term ablation: what changed, the steps from the dspark drafter, offline τ."""
+    if name == "start":
+        changed, steps = "(the dspark drafter itself)", 0
+    else:
+        run = json.loads(((data / "treespark") if name == "shipped" else (data / f"ablate-{name}")).joinpath(
+            "run.json").read_text())
+        config, steps = run["loss_config"], run["train"]["steps"]
+        changed = ", ".join(f"{k}={config[k]:g}" for k in TREE_TERMS if config[k] != TREE_TERMS[k]) or "—"
+        if name == "shipped":
+            changed += " (the run exported as the shipped drafter)"
+    return (f"| {name} | {changed} | {steps} | {ev['chain_tau']:.3f} | {_fmt(ev['tree_tau'], '.3f')} ({ev['budget']}) | "
+            + " ".join(f"{a:.2f}" for a in ev["alpha"][:3]) + " |")
+
+
 def loss_ablation(data: Path) -> str | None:
     """The table of ``experiments/train_drafters.sh ablate`` (offline τ on GSM8K eval), if it ran."""
-    runs = [(name, data / f"ablate-{name}") for name in ABLATIONS if (data / f"ablate-{name}" / "eval.json").is_file()]
-    if not runs:
+    evals = {name: json.loads((data / f"ablate-{name}" / "eval.json").read_text()) for name in ABLATIONS
+             if (data / f"ablate-{name}" / "eval.json").is_file()}
+    if not evals:
         return None
-    lines = ["| variant | loss weights changed | chain τ | tree τ (budget) | α₁ α₂ α₃ |", "|---|---|---|---|---|"]
-    for name, d in runs:
-        ev = json.loads((d / "eval.json").read_text())
-        if name == "start":
-            changed = "(the dspark drafter, no treespark steps)"
-        elif name == "shipped":
-            run = data / "treespark" / "run.json"
-            stage = json.loads(run.read_text())["train"]["steps"] if run.is_file() else "?"
-            changed = f"(the run exported as the shipped drafter: {stage} steps at the default weights)"
-        else:
-            config = json.loads((d / "run.json").read_text())["loss_config"]
-            changed = ", ".join(f"{k}={config[k]:g}" for k in TREE_TERMS if config[k] != TREE_TERMS[k]) or "—"
-        lines.append(f"| {name} | {changed} | {ev['chain_tau']:.3f} | {_fmt(ev['tree_tau'], '.3f')} ({ev['budget']}) | "
-                     + " ".join(f"{a:.2f}" for a in ev["alpha"][:3]) + " |")
-    steps = next((json.loads((d / "run.json").read_text())["train"]["steps"] for name, d in runs
-                  if name not in REFERENCES), 0)
-    evals = {name: json.loads((d / "eval.json").read_text()) for name, d in runs}
+    lines = ["| variant | loss weights changed | steps | chain τ | tree τ (budget) | α₁ α₂ α₃ |",
+             "|---|---|---|---|---|---|"]
+    lines += [_ablation_row(data, name, ev) for name, ev in evals.items()]
     if "start" in evals:
         lines += [""] + [f"- {name} against start: chain τ {evals['start']['chain_tau']:.3f} → {ev['chain_tau']:.3f}, "
                          f"tree τ {_fmt(evals['start']['tree_tau'], '.3f')} → {_fmt(ev['tree_tau'], '.3f')}"
                          for name, ev in evals.items() if name != "start"]
-    return (f"Each variant: the treespark loss from the dspark drafter for {steps} steps on the same data "
-            "(`experiments/train_drafters.sh ablate`), scored offline by `treespark eval-drafter` on the GSM8K "
-            "held-out rollouts (greedy; tree τ = 1 + the longest gold prefix inside the treespark builder's tree "
-            "of all N nodes, no cost-aware stop).\n\n" + "\n".join(lines))
+    return ("Each variant: the treespark loss from the dspark drafter for the steps in its row, on the same data "
+            "(`experiments/train_drafters.sh ablate`); `shipped` and `shipped_no_tree_terms` differ only in the "
+            "tree terms, as do the shorter runs among themselves. Scored offline by `treespark eval-drafter` on the "
+            "GSM8K held-out rollouts (greedy; tree τ = 1 + the longest gold prefix inside the treespark builder's "
+            "tree of all N nodes, no cost-aware stop).\n\n" + "\n".join(lines))
 
 
 def _machine() -> str:
@@ -356,8 +362,9 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme
           f"{args['repeats']} interleaved pass(es), batch 1. AR and every (method, budget) run on each prompt in "
           "turn in one process. Speedup = AR seconds per output token ÷ the method's (prefill and compilation "
           "excluded); the median over prompts × passes, ± its inter-quartile range as the noise. τ = committed "
-          "tokens per target forward, bonus included, pooled over all rounds; α_j = acceptance at depth j given "
-          "depth j − 1. Greedy = AR: every output identical to AR's (divergences at near-ties are counted).",
+          "tokens per drafted round (a target forward over a drafted tree), bonus included, pooled over all "
+          "rounds; skipped = the share of rounds that skipped the drafter and ran a plain target step "
+          "(docs/cost_model.md, not counted in τ); α_j = acceptance at depth j given depth j − 1. Greedy = AR: every output identical to AR's (divergences at near-ties are counted).",
           "- This is a reduced CPU protocol (DESIGN.md §4 asks for 32 prompts, 128 tokens, budgets {4, 8, 16, 32} "
           "and three repeats, which take many hours on this machine); the same script runs the full protocol "
           "with the flags in its docstring.", ""]
@@ -373,7 +380,7 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme
            table(ablation["rows"], with_builder=True) if ablation["rows"] else missing, "",
            "Each builder on the same drafter, measured in its own pass; the `treespark` row repeats the main "
            "table's configuration (τ is the same; the speedup is a second measurement of it). Only the "
-           "`treespark` builder uses the cost-aware stop.", "", "## Loss-term ablation", "",
+           "`treespark` builder uses the cost-aware stop and draft skipping.", "", "## Loss-term ablation", "",
            loss_ablation(data) or "Not run yet: `experiments/train_drafters.sh ablate` makes it.", "",
            "## Reproduction", "", *reproduction(out)]
     text = "\n".join(md)

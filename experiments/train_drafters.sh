@@ -65,7 +65,8 @@ stage_eval() {
 }
 
 ABLATE_STEPS=${ABLATE_STEPS:-100}  # steps per loss-term ablation run
-ABLATIONS="full: unit_weights:tree_tv=0.9,tree_ce=0.1,tree_coverage=1,tree_edge=1 no_tree_terms:tree_tv=0,tree_ce=0,tree_coverage=0,tree_edge=0 no_coverage:tree_coverage=0 no_edge:tree_edge=0"
+NO_TREE_TERMS=tree_tv=0,tree_ce=0,tree_coverage=0,tree_edge=0
+ABLATIONS="full: unit_weights:tree_tv=0.9,tree_ce=0.1,tree_coverage=1,tree_edge=1 no_tree_terms:$NO_TREE_TERMS no_coverage:tree_coverage=0 no_edge:tree_edge=0"
 stage_ablate() {  # treespark loss terms, each variant from the dspark drafter for ABLATE_STEPS, offline tree τ on GSM8K eval
   $T rollout --prompts gsm8k --split eval --max-new-tokens "$NEW" --batch-size 16 --out "$DATA/rollouts-gsm8k-eval"
   mkdir -p "$DATA/ablate-start"  # the reference: the dspark drafter every variant starts from
@@ -74,6 +75,11 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
   mkdir -p "$DATA/ablate-shipped"  # for scale: the treespark stage's run (STEPS steps), exported as the shipped drafter
   $T eval-drafter --drafter "$DATA/treespark/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
     --budget "$BUDGET" --json-out "$DATA/ablate-shipped/eval.json"
+  # the shipped run's control: the same STEPS steps from the same start with every tree term off
+  $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --init "$DATA/dspark/drafter" $TRAIN_ARGS \
+    --loss-weights "$NO_TREE_TERMS" --out "$DATA/ablate-shipped_no_tree_terms"
+  $T eval-drafter --drafter "$DATA/ablate-shipped_no_tree_terms/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" \
+    --method treespark --budget "$BUDGET" --json-out "$DATA/ablate-shipped_no_tree_terms/eval.json"
   for v in $ABLATIONS; do
     name=${v%%:*} w=${v#*:}
     $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --init "$DATA/dspark/drafter" \

@@ -44,7 +44,7 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     out = tmp_path / "results"
     out.mkdir()
     rows = [_row("ar", None, 1.0, 1.0, 0.0), _row("dspark", 4, 1.7, 1.05, 0.1), _row("ddtree", 4, 1.95, 0.9, 0.1),
-            _row("treespark", 4, 1.9, 1.2, 0.1)]
+            _row("treespark", 4, 1.9, 1.2, 0.1) | {"skipped": 0.25}]
     (out / "bench-gsm8k-t0.json").write_text(json.dumps(rows))
     args = {"sets": "gsm8k", "temps": "0", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1}
     (out / "meta.json").write_text(json.dumps({"minutes": 3.0, "machine": "cpu (x86_64, 2 cores)", "args": args,
@@ -63,6 +63,7 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     assert "fastest row" not in md  # treespark is the fastest here
     faster = results.verdicts(rows + [_row("dspark", 8, 1.7, 1.3, 0.2)], [4, 8])
     assert faster[-1] == "fastest row: dspark at budget 8, 1.30 ± 0.20"
+    assert "| treespark | 4 | 1.90 | 1.20 ± 0.10 | 30.0 | 25% |" in md and "| ar | — | 1.00 | 1.00 ± 0.00 | 30.0 | — |" in md
     assert "4 of 4 rows reproduced within the stated noise" in md
     assert "other processes used 2 % of the" in md
     assert "## Builder ablation" in md and "Not run yet: `experiments/train_drafters.sh ablate`" in md
@@ -71,22 +72,24 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     assert "| treespark | 4 | 1.90 | 1.20 ± 0.10 |" in text
 
 
-def test_loss_ablation_names_the_changed_weights(results, tmp_path):
+def test_loss_ablation_names_the_changed_weights_and_steps(results, tmp_path):
     ev = {"chain_tau": 1.6, "tree_tau": 2.1, "budget": 16, "alpha": [0.5, 0.4, 0.3, 0.2]}
-    for name, config in (("start", None), ("shipped", None), ("full", {}), ("no_edge", {"tree_edge": 0.0})):
+    runs = (("start", None, 0), ("shipped", {}, 600), ("shipped_no_tree_terms", {"tree_tv": 0.0}, 600),
+            ("full", {}, 100), ("no_edge", {"tree_edge": 0.0}, 100))
+    for name, config, steps in runs:
         d = tmp_path / f"ablate-{name}"
         d.mkdir()
         (d / "eval.json").write_text(json.dumps(ev))
         if config is not None:
-            loss = {**results.TREE_TERMS, **config}
-            (d / "run.json").write_text(json.dumps({"loss_config": loss, "train": {"steps": 100}}))
-    (tmp_path / "treespark").mkdir()
-    (tmp_path / "treespark" / "run.json").write_text(json.dumps({"train": {"steps": 600}}))
+            run = {"loss_config": {**results.TREE_TERMS, **config}, "train": {"steps": steps}}
+            (tmp_path / ("treespark" if name == "shipped" else f"ablate-{name}")).mkdir(exist_ok=True)
+            (tmp_path / ("treespark" if name == "shipped" else f"ablate-{name}") / "run.json").write_text(
+                json.dumps(run))
     table = results.loss_ablation(tmp_path)
-    assert "for 100 steps" in table
-    assert "| shipped | (the run exported as the shipped drafter: 600 steps at the default weights) |" in table
-    assert "| start | (the dspark drafter, no treespark steps) | 1.600 | 2.100 (16) | 0.50 0.40 0.30 |" in table
-    assert "| full | — |" in table and "| no_edge | tree_edge=0 |" in table
+    assert "| start | (the dspark drafter itself) | 0 | 1.600 | 2.100 (16) | 0.50 0.40 0.30 |" in table
+    assert "| shipped | — (the run exported as the shipped drafter) | 600 |" in table
+    assert "| shipped_no_tree_terms | tree_tv=0 | 600 |" in table
+    assert "| full | — | 100 |" in table and "| no_edge | tree_edge=0 | 100 |" in table
     assert "- no_edge against start: chain τ 1.600 → 1.600, tree τ 2.100 → 2.100" in table
     assert results.loss_ablation(tmp_path / "missing") is None
 
