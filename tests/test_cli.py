@@ -69,6 +69,10 @@ def test_drafter_method_with_a_saved_drafter_matches_greedy_ar(preset, capsys, t
     assert tree["token_ids"] == ar["token_ids"] and tree["stats"]["tau"] >= 1.0
     assert main(args + ["--method", "ddtree", "--drafter", "random", "--builder", "chain"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == ar["token_ids"]
+    # A random drafter never pays on the shipped CPU costs: rounds skip it, the output stays AR's.
+    assert main(args + ["--method", "treespark", "--drafter", "random", "--skip-drafting"]) == 0
+    skipping = json.loads(capsys.readouterr().out)
+    assert skipping["token_ids"] == ar["token_ids"] and skipping["stats"]["skipped_rounds"] > 0
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -136,6 +136,7 @@ def test_cost_model_is_hashable_and_ignores_raw_measurements_in_equality():
     (dict(contexts=(64,), rows=(1, 5), verify_ms=((1,),), draft_ms=(1,)), "verify_ms"),
     (dict(contexts=(64,), rows=(1,), verify_ms=((-1,),), draft_ms=(1,)), "verify_ms"),
     (dict(contexts=(64, 128), rows=(1,), verify_ms=((1,), (2,)), draft_ms=(1,)), "draft_ms"),
+    (dict(contexts=(64, 128), rows=(1,), verify_ms=((1,), (2,)), draft_ms=(1, 1), step_ms=(1,)), "step_ms"),
 ])
 def test_malformed_cost_model_is_one_sentence(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -153,6 +154,14 @@ def test_json_round_trip_is_atomic_and_keeps_the_measurements(tmp_path):
     back = load_cost_model(path)
     assert back == cost and back.measured_verify_ms == cost.measured_verify_ms
     assert back.measured_draft_ms == cost.measured_draft_ms and back.budget == 2
+    assert back.step_ms is None
+    with pytest.raises(ValueError, match="no one-row step cost"):
+        back.step_cost(64)
+    stepped = CostModel.fit((64, 256), (1, 3), [[10.0, 11.0], [12.0, 15.0]], [2.0, 3.0], [9.0, 8.0])
+    assert stepped.step_ms == (8.5, 8.5)  # pooled: non-decreasing in context
+    assert load_cost_model(save_cost_model(stepped, tmp_path / "s.json")).step_ms == (8.5, 8.5)
+    np.testing.assert_allclose(stepped.step_cost(100), 8.5)
+    assert stepped != cost  # the step cost changes decisions: it is part of equality
 
 
 def test_corrupt_or_foreign_files_are_refused(tmp_path):
@@ -194,6 +203,7 @@ def test_shipped_default_is_a_fitted_profile_covering_the_cpu_budgets():
     v = np.asarray(cost.verify_ms)
     assert (np.diff(v, axis=1) >= 0).all() and (np.diff(v, axis=0) >= 0).all()
     assert all((np.diff(slopes(cost.rows, r)) >= -1e-9).all() for r in v)
+    assert cost.step_ms is not None and all(0 < s < row[0] for s, row in zip(cost.step_ms, v))
 
 
 # ------------------------------------------------------------------------------ profiler and CLI
@@ -213,6 +223,7 @@ def test_profile_cost_on_a_tiny_target_writes_a_loadable_profile(tmp_path):
     cost = profile_cost(model, target="tiny.float32", budget=1, contexts=(16,), repeats=1)
     assert cost.rows == (2,) and cost.contexts == (16,) and cost.budget == 1
     assert cost.device == jax.devices()[0].device_kind and all(d > 0 for d in cost.draft_ms)
+    assert len(cost.step_ms) == 1 and cost.step_ms[0] > 0
     assert load_cost_model(save_cost_model(cost, tmp_path / "tiny.json")) == cost
 
 
@@ -226,7 +237,7 @@ def test_profile_command_writes_the_profile_and_prints_the_table(tmp_path, monke
     assert main(["profile", "--target", str(tmp_path / "tiny"), "--budget", "1", "--contexts", "12",
                  "--repeats", "1"]) == 0
     out = capsys.readouterr()
-    assert "ctx 12" in out.out and "draft" in out.out
+    assert "ctx 12" in out.out and "draft" in out.out and "1 row" in out.out
     stored = load_cost_model(profile_path(jax.devices()[0].device_kind, "tiny.float32"))
     assert stored.target == "tiny.float32" and stored.rows == (2,) and str(tmp_path) in out.err
 

@@ -105,6 +105,7 @@ def test_dspark_chain_scores_nodes_by_the_confidence_head(target64):
     ("beam", {}, "method 'beam' is unknown"),
     ("treespark", {}, "needs a trained block drafter"),
     ("ar", {"builder": "chain"}, "method 'ar' drafts nothing"),
+    ("ar", {"skip": True}, "drop the drafter, builder, verify and skip options"),
     ("prompt_lookup", {"budget": 0}, "budget=0 must be between 1 and 1024"),
     ("prompt_lookup", {"budget": 1025}, "budget=1025 must be between 1 and 1024"),
 ])

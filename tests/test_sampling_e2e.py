@@ -54,6 +54,7 @@ import pytest
 from scipy import stats
 
 from treespark_jax.config import TreeConfig
+from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
 from treespark_jax.decode.engine import Engine, Speculation
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.prompt_lookup import PromptLookup
@@ -122,10 +123,18 @@ CASES = {  # name: (speculation or None for AR, temp, top_p)
         Speculation(FEW, TreeConfig(**TREE, builder="treespark")), 0.8, 0.9),
     "match-parent_conditioned": (
         Speculation(FEW, TreeConfig(**TREE, builder="parent_conditioned", verify="match")), 1.0, 1.0),
+    # Draft skipping where drafting never pays: round 1 drafts, round 2 is a target step, round 3
+    # drafts again (a probe), so emitted tokens mix both kinds of round.
+    "rejection-treespark-skipping": (Speculation(FEW, TreeConfig(**TREE, builder="treespark", skip=True)), 1.0, 1.0),
     "match-prompt_lookup-chain": (
         Speculation(PromptLookup(V, block_size=4),
                     TreeConfig(budget=3, max_depth=3, branch=1, builder="chain", verify="match")), 1.0, 1.0),
 }
+
+
+NEVER_PAYS = CostModel(contexts=(1, 4096), rows=(2, 3), verify_ms=((1.0, 1.0), (1.0, 1.0)), draft_ms=(1.0, 1.0),
+                       step_ms=(1e-3, 1e-3))
+COSTS = {"rejection-treespark-skipping": NEVER_PAYS}  # others: the shipped CPU profile
 
 
 @pytest.fixture(scope="module")
@@ -207,10 +216,11 @@ def chi_square(samples: np.ndarray, probs: np.ndarray, max_single: int | None = 
     return pvalue, df, power
 
 
-def sample(model, spec, temp, top_p, first_seed):
-    """``[ROWS, 3]`` generated tokens, one request (and seed) per row, and the τ of every call."""
-    engine = Engine(model, stop_ids=[])
-    out, taus = [], []
+def sample(model, spec, temp, top_p, first_seed, cost=DEFAULT_CPU_COST):
+    """``[ROWS, 3]`` generated tokens, one request (and seed) per row, the τ of every call and the
+    rounds that skipped drafting."""
+    engine = Engine(model, stop_ids=[], cost=cost)
+    out, taus, skipped = [], [], 0
     for start in range(0, ROWS, CALL_ROWS):
         seeds = list(range(first_seed + start, first_seed + start + CALL_ROWS))
         ids, gen_stats = engine.generate([PROMPT] * CALL_ROWS, MAX_NEW, temp=temp, top_p=top_p,
@@ -218,14 +228,18 @@ def sample(model, spec, temp, top_p, first_seed):
         assert all(len(row) == MAX_NEW for row in ids)
         out.append(np.asarray(ids))
         taus.append(gen_stats.tau)
-    return np.concatenate(out), taus
+        skipped += gen_stats.skipped_rounds
+    return np.concatenate(out), taus, skipped
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_generated_tokens_follow_the_target(model, logits_tree, case):
     spec, temp, top_p = CASES[case]
     law = exact_law(logits_tree, temp, top_p)
-    tokens, taus = sample(model, spec, temp, top_p, first_seed=1_000_000 * (list(CASES).index(case) + 1))
+    tokens, taus, skipped = sample(model, spec, temp, top_p, first_seed=1_000_000 * (list(CASES).index(case) + 1),
+                                   cost=COSTS.get(case, DEFAULT_CPU_COST))
+    if case in COSTS:
+        assert skipped >= ROWS // 2, skipped  # most rows have a skipped round
     t1, t2, t3 = tokens.T
 
     impossible = law[t1, t2, t3] == 0

@@ -12,6 +12,7 @@ import pytest
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode import engine as engine_mod
 from treespark_jax.decode.commit import commit_path
+from treespark_jax.decode.cost_model import CostModel
 from treespark_jax.decode.engine import Engine, Speculation
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.prompt_lookup import PromptLookup
@@ -55,7 +56,7 @@ def run_greedy_case(model, ar_reference, case, batch):
     prompts = PROMPTS[:batch]
     ids, stats = Engine(model, stop_ids=[]).generate(prompts, 40, spec=Speculation(proposer(kind), tree))
     assert ids == ar_reference[:batch]
-    assert stats.target_forwards - 1 == sum(stats.rung_rounds) or batch > 1
+    assert stats.target_forwards - 1 == sum(stats.rung_rounds) + stats.skipped_rounds or batch > 1
     return stats
 
 
@@ -103,6 +104,34 @@ def test_eos_and_cap_inside_an_accepted_path(model, ar_reference, stop_at):
     for cap in (1, 2, 13):
         ids, stats = Engine(model, stop_ids=[]).generate(PROMPTS, cap, spec=spec)
         assert ids == [r[:cap] for r in ar_reference] and stats.new_tokens == 4 * cap
+
+
+def flat_cost(step_ms: float) -> CostModel:
+    """Every verify and draft costs 1 ms, a round without drafting ``step_ms``."""
+    return CostModel(contexts=(1, 4096), rows=(2, 3), verify_ms=((1.0, 1.0), (1.0, 1.0)), draft_ms=(1.0, 1.0),
+                     step_ms=(step_ms, step_ms))
+
+
+@pytest.mark.parametrize("kind", ["random", "prompt_lookup"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_skipped_rounds_keep_greedy_output_and_probe_with_backoff(model, ar_reference, kind, batch):
+    """Where drafting never pays, rounds skip the drafter in pauses of 1, 2, 4, … rounds between
+    drafted probes; the output is still greedy AR's, from one program."""
+    tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark", skip=True)
+    spec = Speculation(proposer(kind), tree)
+    ids, stats = Engine(model, stop_ids=[], cost=flat_cost(1e-3)).generate(PROMPTS[:batch], 40, spec=spec)
+    assert ids == ar_reference[:batch]
+    assert stats.compiles == 2  # the prefill and the round program, skipping inside it
+    rounds = sum(stats.rung_rounds)  # drafted rounds of the batch
+    skipping = stats.target_forwards - 1 - rounds  # batch rounds without drafting
+    assert stats.skipped_rounds == skipping if batch == 1 else skipping < stats.skipped_rounds <= batch * skipping
+    # Drafted probes after pauses 1, 2, 4, 8, 16: a round takes 1 + pause rounds until done.
+    assert 2 <= rounds <= 6 and skipping >= 20
+    # Where drafting always pays, or skipping is off, no round skips.
+    for cost, config in ((flat_cost(1e6), tree), (flat_cost(1e-3), TreeConfig(**{**vars(tree), "skip": False}))):
+        ids, stats = Engine(model, stop_ids=[], cost=cost).generate(PROMPTS[:batch], 40,
+                                                                    spec=Speculation(proposer(kind), config))
+        assert ids == ar_reference[:batch] and stats.skipped_rounds == 0
 
 
 def test_one_program_per_budget_for_a_long_generation(model):

@@ -92,6 +92,9 @@ class TreeConfig:
       stop: verify only as many nodes as the cost-aware stop picks from the ladder (DESIGN.md
         §1.5); ``None`` means on for the ``treespark`` builder and off (always verify all N)
         for the others.
+      skip: skip drafting for a few rounds when recent drafted rounds committed tokens more
+        slowly than target steps would (``decode/skip.py``; lossless). Off by default
+        (docs/cost_model.md gives the measurements behind that).
 
     Raises:
       ValueError: on a non-positive budget/depth/branch, an unknown builder or rule, or a ladder
@@ -105,6 +108,7 @@ class TreeConfig:
     verify: str = "rejection"
     ladder: tuple[int, ...] = ()
     stop: bool | None = None
+    skip: bool = False
 
     def __post_init__(self):
         if self.stop is None:

@@ -12,7 +12,9 @@ Names follow the literature (DESIGN.md §4) so a row means what readers expect:
 | ``pctree`` | the ``dspark`` drafter | parent_conditioned | match | no |
 | ``treespark`` | drafter with edge head, ``treespark`` loss | treespark | rejection | yes (edge head) |
 
-Greedy decoding (temp 0) always verifies with the greedy rule. ``builder`` and ``verify``
+Draft skipping (``decode/skip.py``: plain target steps while recent drafted rounds did not pay)
+is an option of every drafting method, off by default. Greedy decoding (temp 0) always
+verifies with the greedy rule. ``builder`` and ``verify``
 override a recipe's parts for ablations (the ``treespark`` builder always brings its cost-aware
 stop); the drafter is passed by the caller (``api.load``
 resolves ``--drafter PATH``).
@@ -109,7 +111,7 @@ def check_budget(budget: int) -> None:
 
 def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
                 drafter: BlockDrafter | None = None, builder: str | None = None,
-                verify: str | None = None) -> Speculation | None:
+                verify: str | None = None, skip: bool = False) -> Speculation | None:
     """The speculative settings of ``method`` (``None`` for plain autoregressive decoding).
 
     Args:
@@ -119,10 +121,11 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
       drafter: the block drafter, required by the methods in ``DRAFTER_METHODS``.
       builder: overrides the recipe's builder (``config.BUILDERS``).
       verify: overrides the recipe's verify rule at temp > 0 (``config.VERIFY_RULES``).
+      skip: draft skipping (``TreeConfig.skip``).
 
     Raises:
       ValueError: unknown method, builder or rule; a budget outside 1..MAX_BUDGET; a drafter method without
-        a drafter; or overrides given for ``ar``.
+        a drafter; or overrides (or ``skip``) given for ``ar``.
     """
     from treespark_jax.decode.engine import Speculation
     from treespark_jax.drafter.block_proposer import BlockProposer
@@ -131,14 +134,15 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     r = recipe(method)
     check_budget(budget)
     if r.proposer is None:
-        if builder or verify or drafter is not None:
-            raise ValueError("method 'ar' drafts nothing; drop the drafter, builder and verify overrides.")
+        if builder or verify or skip or drafter is not None:
+            raise ValueError("method 'ar' drafts nothing; drop the drafter, builder, verify and skip options.")
         return None
     builder, verify = builder or r.builder, verify or r.verify
     if r.proposer == "prompt_lookup":
         # Prompt lookup drafts one chain whatever the builder: its proposal has a single candidate.
         return Speculation(PromptLookup(target.cfg.vocab_size, block_size=budget),
-                           TreeConfig(budget=budget, max_depth=budget, branch=1, builder=builder, verify=verify))
+                           TreeConfig(budget=budget, max_depth=budget, branch=1, builder=builder, verify=verify,
+                                      skip=skip))
     if drafter is None:
         raise ValueError(f"method {method!r} needs a trained block drafter; pass one with --drafter PATH "
                          "(or drafter= in the API).")
@@ -146,5 +150,5 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     chain = builder == "chain"
     n = min(budget, gamma) if chain else budget
     tree = TreeConfig(budget=n, max_depth=min(n, gamma), branch=1 if chain else TREE_BRANCH,
-                      builder=builder, verify=verify, stop=(r.stop or builder == "treespark") and n > 1)
+                      builder=builder, verify=verify, stop=(r.stop or builder == "treespark") and n > 1, skip=skip)
     return Speculation(BlockProposer.create(drafter, target, depth=tree.max_depth), tree)

@@ -4,8 +4,10 @@ For every prompt and repeat, AR runs first and then every (method, budget) on th
 so slow drifts of the machine (thermal, other jobs) hit AR and the methods alike. A row
 reports (DESIGN.md §4):
 
-- ``tau``: committed tokens per target forward, bonus included, pooled over all rounds of all
-  prompts and repeats; ``tau_per_depth``: acceptance at depth ``j + 1`` given depth ``j``
+- ``tau``: committed tokens per drafted round (one target forward verifying a drafted tree),
+  bonus included, pooled over all rounds of all prompts and repeats; ``skipped``: the share of
+  rounds that skipped drafting (``decode/skip.py``), target steps not counted in ``tau``;
+  ``tau_per_depth``: acceptance at depth ``j + 1`` given depth ``j``
   was reached, pooled the same way (``None`` for a depth never reached);
 - ``speedup``: median over (prompt, repeat) of AR's seconds per output token ÷ the method's
   (prefill excluded), ``speedup_iqr`` its inter-quartile range (the stated noise);
@@ -46,6 +48,7 @@ class _Tally:
     tokens: int = 0  # decoded tokens (each reply's first token comes from prefill)
     decode_s: float = 0.0
     rounds: int = 0
+    skipped: int = 0
     committed: float = 0.0
     reached: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
@@ -59,6 +62,7 @@ class _Tally:
         self.tokens += decoded
         self.decode_s += stats.decode_s
         self.rounds += stats.rounds
+        self.skipped += stats.skipped_rounds
         self.committed += stats.tau * stats.rounds
         self.compiles += stats.compiles
         self.late_compiles += stats.compiles if late else 0
@@ -115,7 +119,7 @@ def map_count_shortfall(rows: int) -> str | None:
 def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[str], budgets: Sequence[int], *,
             temp: float = 0.0, max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
             drafters: Mapping[str, str] | None = None, builder: str | None = None, verify: str | None = None,
-            progress: Callable[[str], None] | None = None) -> list[dict]:
+            skip: bool = False, progress: Callable[[str], None] | None = None) -> list[dict]:
     """Benchmarks ``methods`` at each of ``budgets`` against AR on ``prompts``, at batch 1.
 
     Args:
@@ -131,13 +135,14 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
       drafters: drafter per method (checkpoint path or ``"random"``); default the shipped ones.
       builder, verify: override the tree builder / verify rule of every drafter method (ablations
         on a fixed drafter); ``None`` keeps each recipe's.
+      skip: draft skipping for every speculative method (``TreeConfig.skip``).
       progress: called with a short line after each prompt of each repeat.
 
     Returns:
       One dict per row, ``ar`` first: ``method``, ``budget`` (``None`` for ``ar``), ``temp``,
-      ``builder``, ``verify`` and ``stop`` (speculative rows),
+      ``builder``, ``verify``, ``stop`` and ``skip`` (speculative rows),
       ``tau``, ``tau_per_depth``, ``speedup``, ``speedup_iqr``, ``tokens_per_s``, ``compiles``,
-      ``greedy_equal``, ``divergences`` (module docstring).
+      ``late_compiles``, ``skipped``, ``greedy_equal``, ``divergences`` (module docstring).
 
     Raises:
       ValueError: unknown method, bad budget, no prompts, ``repeats < 1``, a method without a
@@ -156,7 +161,8 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
         block = recipe(m).proposer == "block"
         for b in budgets:
             specs[(m, b)] = lm.speculation(m, b, drafter=drafters.get(m) if block else None,
-                                           builder=builder if block else None, verify=verify if block else None)
+                                           builder=builder if block else None, verify=verify if block else None,
+                                           skip=skip)
     if shortfall := map_count_shortfall(len(specs) + 1):
         warnings.warn(shortfall, stacklevel=2)
     engine = lm.engine
@@ -187,7 +193,7 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
         spec = specs[(m, b)]
         results.append(_row(m, b, temp, tally, ar, lm, prompts, repeats)
                        | {"builder": spec.tree.builder, "verify": spec.tree.verify if temp > 0 else "greedy",
-                          "stop": spec.tree.stop})
+                          "stop": spec.tree.stop, "skip": spec.tree.skip})
     return results
 
 
@@ -208,4 +214,5 @@ def _row(method: str, budget: int | None, temp: float, tally: _Tally, ar: _Tally
             "speedup_iqr": _iqr(speedups), "tokens_per_s": tally.tokens / tally.decode_s if tally.decode_s else None,
             "ms_per_token": 1e3 * statistics.median(tally.seconds), "compiles": tally.compiles,
             "late_compiles": tally.late_compiles,
+            "skipped": tally.skipped / (tally.rounds + tally.skipped) if tally.rounds + tally.skipped else 0.0,
             "greedy_equal": equal, "divergences": divergences}

@@ -201,9 +201,9 @@ def profile_rows(budget: int) -> tuple[int, ...]:
     """Verified rows profiled for ``budget`` N: ``rung + 1`` for every rung of the default ladders
     of N, N/2, N/4, … 1, so one profile also serves the smaller budgets without extrapolation.
 
-    A one-row call is not profiled: no ladder verifies zero nodes, and on CPU it runs a
-    matrix-vector kernel much cheaper than the matrix-matrix ones of two or more rows, a kink
-    no convex fit through the tree sizes should bend to.
+    The one-row call (a round that skips drafting) is profiled apart (``CostModel.step_ms``): on
+    CPU it runs a matrix-vector kernel much cheaper than the matrix-matrix ones of two or more
+    rows, a kink no convex fit through the tree sizes should bend to.
     """
     rungs, n = set(), budget
     while n >= 1:
@@ -219,7 +219,8 @@ def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[in
     For each context length ``S`` (key positions: the cache is ``S`` long, its first
     ``S − rows`` positions committed) and each of ``profile_rows(budget)``: the verify latency
     (``forward_call``); per context, the draft latency of ``drafter`` (default: a random
-    ``profile_drafter``) with the ``treespark`` builder at ``budget`` (``draft_call``). All
+    ``profile_drafter``) with the ``treespark`` builder at ``budget`` (``draft_call``), and the
+    one-row target call (``CostModel.step_ms``). All
     calls are compiled first, then timed in ``repeats`` interleaved sweeps
     (``interleaved_seconds``); the per-cell medians are fitted by ``CostModel.fit`` (monotone
     convex in rows).
@@ -250,14 +251,17 @@ def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[in
                       builder="treespark")
     calls = [forward_call(model, r, s - r, s) for s in contexts for r in rows]
     calls += [draft_call(model, proposer, tree, s) for s in contexts]
+    calls += [forward_call(model, 1, s - 1, s) for s in contexts]
     ms = 1e3 * np.median(interleaved_seconds(calls, repeats, progress), axis=1)
-    verify, draft = ms[:-len(contexts)].reshape(len(contexts), len(rows)), ms[-len(contexts):]
-    return CostModel.fit(contexts, rows, verify, draft, device=current_device_kind(), target=target, budget=budget)
+    c = len(contexts)
+    verify, draft, step = ms[:-2 * c].reshape(c, len(rows)), ms[-2 * c:-c], ms[-c:]
+    return CostModel.fit(contexts, rows, verify, draft, step, device=current_device_kind(), target=target,
+                         budget=budget)
 
 
 def cost_table(cost: CostModel) -> str:
     """The profile as a text table: verify latency per rows × context, measured / fitted (ms),
-    and the draft latency per context."""
+    the draft latency per context and, when measured, the one-row step (pooled over context)."""
     head = f"{'rows':>6}" + "".join(f"{'ctx ' + str(s):>18}" for s in cost.contexts)
     lines = [f"{cost.target} on {cost.device}, budget {cost.budget}: milliseconds, measured / fitted", head]
     measured = cost.measured_verify_ms or cost.verify_ms
@@ -267,4 +271,6 @@ def cost_table(cost: CostModel) -> str:
     draft = cost.measured_draft_ms or cost.draft_ms
     lines.append(f"{'draft':>6}" + "".join(f"{draft[i]:>9.2f} /{cost.draft_ms[i]:>7.2f}"
                                            for i in range(len(cost.contexts))))
+    if cost.step_ms is not None:
+        lines.append(f"{'1 row':>6}" + "".join(f"{'':>9}  {v:>7.2f}" for v in cost.step_ms))
     return "\n".join(lines)

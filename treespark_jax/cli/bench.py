@@ -42,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="override the tree builder of every drafter method (ablation on a fixed drafter)")
     b.add_argument("--verify", default=None, choices=VERIFY_RULES,
                    help="override the verify rule at temp > 0 of every drafter method")
+    b.add_argument("--skip-drafting", action="store_true",
+                   help="every speculative method runs plain target steps instead of drafting while recent "
+                        "drafted rounds committed tokens more slowly than target steps would (lossless; "
+                        "docs/cost_model.md)")
     b.add_argument("--json-out", default=None, metavar="FILE", help="also write protocol and rows as JSON")
 
 
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = [prompt_ids(lm.tokenizer, r) for r in records]
     rows = compare(lm, prompts, methods, budgets, temp=args.temp, max_new_tokens=args.max_new_tokens,
                    repeats=args.repeats, seed=args.seed, drafters=drafters,
-                   builder=args.builder, verify=args.verify, progress=lambda line: print(line, file=sys.stderr, flush=True))
+                   builder=args.builder, verify=args.verify, skip=args.skip_drafting, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"{lm.target.name}: {len(prompts)} prompts of {args.prompts}{f' ({split})' if split else ''} x "
           f"{args.repeats} repeats, {args.max_new_tokens} new tokens, temp {args.temp}, batch 1 "
           "(speedup: median over prompts x repeats, ± IQR)")
@@ -126,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
                     "prompt_ids": [r.id for r in records], "max_new_tokens": args.max_new_tokens,
                     "repeats": args.repeats, "temp": args.temp, "seed": args.seed, "batch": 1,
                     "dtype": args.dtype, "drafters": drafters or "shipped", "builder": args.builder,
-                    "verify": args.verify}
+                    "verify": args.verify, "skip_drafting": args.skip_drafting}
         machine = {"device": current_device_kind(), "processor": platform.processor() or platform.machine(),
                    "cpu_count": os.cpu_count(), "jax": jax.__version__,
                    "python": platform.python_version()}

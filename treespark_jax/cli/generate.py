@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--builder", default=None, choices=BUILDERS, help="override the method's tree builder")
     gen.add_argument("--verify", default=None, choices=VERIFY_RULES,
                      help="override the method's verify rule at temp > 0")
+    gen.add_argument("--skip-drafting", action="store_true",
+                     help="run plain target steps instead of drafting while recent drafted rounds committed tokens more "
+                          "slowly than target steps would (lossless; docs/cost_model.md)")
     gen.add_argument("--mesh", default=None, metavar="data=N,model=M",
                      help="devices per mesh axis, e.g. data=2,model=4: rows over data, the target's heads "
                           "and MLP width over model (default: every local device on data)")
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> None:
     request = dict(chat=args.chat, max_new_tokens=args.max_new_tokens, temp=args.temp, top_p=args.top_p,
                    seed=args.seed)
     decoding = dict(method=method, budget=args.budget, drafter=args.drafter, builder=args.builder,
-                    verify=args.verify)
+                    verify=args.verify, skip=args.skip_drafting)
     if args.compare_ar:
         # The first decode of a process runs slower (measured: 78 ms a treespark round against
         # 57 ms warm), which would fall on whichever method is timed first: warm both.
@@ -92,7 +95,7 @@ def _stats_json(stats) -> dict:
     return {"new_tokens": stats.new_tokens, "tokens_per_s": stats.tokens_per_s,
             "target_forwards": stats.target_forwards, "compiles": stats.compiles, "prefill_s": stats.prefill_s,
             "decode_s": stats.decode_s, "tau": stats.tau, "tau_per_depth": stats.tau_per_depth,
-            "rung_rounds": stats.rung_rounds}
+            "rung_rounds": stats.rung_rounds, "skipped_rounds": stats.skipped_rounds}
 
 
 def _stats_line(stats) -> str:

@@ -179,6 +179,11 @@ class CostModel:
       measured_verify_ms: the raw medians behind ``verify_ms`` (same shape), or ``None``;
         kept for reports, ignored by equality and hashing.
       measured_draft_ms: the raw medians behind ``draft_ms``, or ``None`` (ditto).
+      step_ms: ``[len(contexts)]`` latency of a one-row target call (milliseconds), the cost of a
+        round that skips drafting and verifies the anchor alone (``decode/skip.py``); kept out of
+        the convex fit in rows (on CPU one row runs a matrix-vector kernel, a kink below the grid),
+        non-decreasing in context. ``None`` (profiles made before it existed): drafting is never
+        skipped.
 
     Raises:
       ValueError: when the grids are empty, not strictly ascending or not positive, a table
@@ -195,6 +200,7 @@ class CostModel:
     measured_verify_ms: tuple[tuple[float, ...], ...] | None = dataclasses.field(
         default=None, compare=False, hash=False)
     measured_draft_ms: tuple[float, ...] | None = dataclasses.field(default=None, compare=False, hash=False)
+    step_ms: tuple[float, ...] | None = None
 
     def __post_init__(self):
         def floats(v):
@@ -207,10 +213,10 @@ class CostModel:
             object.__setattr__(self, name, grid)
         shapes = {"verify_ms": (len(self.contexts), len(self.rows)), "draft_ms": (len(self.contexts),),
                   "measured_verify_ms": (len(self.contexts), len(self.rows)),
-                  "measured_draft_ms": (len(self.contexts),)}
+                  "measured_draft_ms": (len(self.contexts),), "step_ms": (len(self.contexts),)}
         for name, shape in shapes.items():
             value = getattr(self, name)
-            if value is None and name.startswith("measured"):
+            if value is None and (name.startswith("measured") or name == "step_ms"):
                 continue
             arr = np.asarray(value, np.float64)
             if arr.shape != shape or not np.isfinite(arr).all() or (arr < 0).any():
@@ -219,15 +225,17 @@ class CostModel:
             object.__setattr__(self, name, tuple(map(floats, value)) if len(shape) == 2 else floats(value))
 
     @classmethod
-    def fit(cls, contexts, rows, measured_verify_ms, measured_draft_ms, **fields) -> "CostModel":
+    def fit(cls, contexts, rows, measured_verify_ms, measured_draft_ms, measured_step_ms=None,
+            **fields) -> "CostModel":
         """The model of raw measurements: ``fit_monotone_convex`` in rows per context, then
-        ``pool_adjacent_violators`` over context (verify and draft).
+        ``pool_adjacent_violators`` over context (verify, draft and the one-row step).
 
         Args:
           contexts: ``[C]`` ascending context lengths (tokens).
           rows: ``[R]`` ascending verified rows.
           measured_verify_ms: ``[C, R]`` median verify latencies (milliseconds).
           measured_draft_ms: ``[C]`` median draft latencies (milliseconds).
+          measured_step_ms: ``[C]`` median one-row target call latencies (milliseconds), or ``None``.
           **fields: ``device``, ``target``, ``budget``.
 
         Raises:
@@ -240,8 +248,11 @@ class CostModel:
         fitted = np.stack([fit_monotone_convex(rows, m) for m in measured])
         fitted = pool_adjacent_violators(np.maximum(fitted, 0.0))
         draft = pool_adjacent_violators(np.asarray(measured_draft_ms, np.float64))
+        step = (None if measured_step_ms is None
+                else pool_adjacent_violators(np.asarray(measured_step_ms, np.float64)).tolist())
         return cls(contexts=tuple(contexts), rows=tuple(rows), verify_ms=fitted.tolist(), draft_ms=draft.tolist(),
-                   measured_verify_ms=measured.tolist(), measured_draft_ms=list(measured_draft_ms), **fields)
+                   measured_verify_ms=measured.tolist(), measured_draft_ms=list(measured_draft_ms), step_ms=step,
+                   **fields)
 
     def verify_cost(self, nodes: tuple[int, ...], context) -> np.ndarray | jax.Array:
         """Latency (ms) of verifying each of ``nodes`` drafted nodes (``nodes + 1`` rows) at ``context``.
@@ -266,10 +277,24 @@ class CostModel:
     def draft_cost(self, context) -> np.ndarray | jax.Array:
         """Draft latency (ms) of one round at ``context`` (a number or a traced scalar, as in
         ``verify_cost``); returns a float scalar."""
+        return self._by_context(self.draft_ms, context)
+
+    def step_cost(self, context) -> np.ndarray | jax.Array:
+        """Latency (ms) of a one-row target call at ``context`` (a round that skips drafting), as
+        ``draft_cost``.
+
+        Raises:
+          ValueError: if the model has no ``step_ms`` (a profile made before it was measured).
+        """
+        if self.step_ms is None:
+            raise ValueError("this cost model has no one-row step cost; re-run `treespark profile`.")
+        return self._by_context(self.step_ms, context)
+
+    def _by_context(self, per_context: tuple[float, ...], context) -> np.ndarray | jax.Array:
         xp = _array_module(context)
         dtype = np.float64 if xp is np else jnp.result_type(float)
         return _interp(xp.asarray(context, dtype), tuple(map(float, self.contexts)),
-                       xp.asarray(self.draft_ms, dtype), xp)
+                       xp.asarray(per_context, dtype), xp)
 
     # ------------------------------------------------------------------------------------ JSON
 

@@ -32,6 +32,7 @@ from treespark_jax.decode import buckets
 from treespark_jax.decode.ar import ar_loop
 from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
 from treespark_jax.decode.prefill import prefill
+from treespark_jax.decode.skip import SkipState
 from treespark_jax.decode.speculative import SpecConfig, SpecState, SpecStats, spec_loop
 from treespark_jax.decode.state import GenState, Requests
 from treespark_jax.decode.tree_log import TreeLog, row_trees
@@ -73,7 +74,8 @@ def _spec_prefill_program(graphdef, weights, tokens, prompt_lens, active, reques
     stats = SpecStats.zeros(b, cfg.tree.max_depth, len(cfg.ladder))
     log = (TreeLog.zeros(b, out_size, cfg.tree.budget, model.cfg.d_model, model.dtype)
            if cfg.log_trees else None)  # a round emits at least one token: ≤ out_size rounds
-    return _pin(layout, SpecState(gen=gen, proposer=pstate, stats=stats, log=log))
+    skip = SkipState.start() if cfg.skip else None
+    return _pin(layout, SpecState(gen=gen, proposer=pstate, stats=stats, log=log, skip=skip))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg", "layout"), donate_argnames=("state",))
@@ -118,7 +120,9 @@ class GenerationStats:
       tau_per_depth: acceptance rate at depth ``j + 1`` given depth ``j`` was reached (list;
         ``None`` where depth ``j`` was never reached).
       rung_rounds: rounds that verified each ladder rung (list; empty for AR).
-      rounds: verify rounds over all rows (0 for AR).
+      rounds: verify rounds of drafted trees over all rows (0 for AR).
+      skipped_rounds: rounds over all rows that skipped drafting (``decode/skip.py``): target
+        steps inside a speculative decode, not counted in ``rounds`` or ``tau``.
       depth_reached, depth_accepted: the counts behind ``tau_per_depth`` (lists of ints), for
         pooling several calls exactly.
     """
@@ -133,6 +137,7 @@ class GenerationStats:
     tau_per_depth: list = dataclasses.field(default_factory=list)
     rung_rounds: list = dataclasses.field(default_factory=list)
     rounds: int = 0
+    skipped_rounds: int = 0
     depth_reached: list = dataclasses.field(default_factory=list)
     depth_accepted: list = dataclasses.field(default_factory=list)
 
@@ -393,6 +398,7 @@ def _add_spec_stats(stats: GenerationStats, spec: SpecStats, n_rows: int) -> Non
     rounds = int(spec.rounds[:n_rows].sum())
     stats.tau = (rounds + int(spec.accepted[:n_rows].sum())) / max(rounds, 1)
     stats.rounds = rounds
+    stats.skipped_rounds = int(spec.skipped[:n_rows].sum())
     stats.depth_reached = [int(r) for r in spec.depth_reached[:n_rows].sum(0)]
     stats.depth_accepted = [int(a) for a in spec.depth_accepted[:n_rows].sum(0)]
     stats.tau_per_depth = depth_rates(stats.depth_reached, stats.depth_accepted)
