@@ -134,6 +134,23 @@ def test_skipped_rounds_keep_greedy_output_and_probe_with_backoff(model, ar_refe
         assert ids == ar_reference[:batch] and stats.skipped_rounds == 0
 
 
+def test_a_skipping_loop_run_in_pieces_runs_the_same_rounds(model, ar_reference):
+    """Streaming advances the loop a round at a time: a pause carried into the next call is
+    finished before drafting again, so the rounds (and the output) match one whole call."""
+    eng = Engine(model, stop_ids=[], cost=flat_cost(1e-3))
+    spec = Speculation(proposer("random"), TreeConfig(budget=16, max_depth=6, branch=4, skip=True))
+    state, requests = eng.start(PROMPTS[:1], 40, 0.0, 1.0, 0, spec)
+    whole = eng.run(state, requests, 40, 0.0, spec)
+    state, requests = eng.start(PROMPTS[:1], 40, 0.0, 1.0, 0, spec)
+    for step in range(1, 41):
+        state = eng.run(state, requests, step, 0.0, spec)
+    for s in (whole, state):
+        assert s.gen.out[0, : int(s.gen.n_out[0])].tolist() == ar_reference[0]
+    assert int(state.stats.skipped[0]) == int(whole.stats.skipped[0]) > 0
+    assert int(state.stats.rounds[0]) == int(whole.stats.rounds[0])
+    assert [t for chunk in eng.stream(PROMPTS[0], 40, spec=spec) for t in chunk] == ar_reference[0]
+
+
 def test_one_program_per_budget_for_a_long_generation(model):
     eng = Engine(model, stop_ids=[])
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")

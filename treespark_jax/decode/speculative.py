@@ -225,6 +225,8 @@ def spec_loop(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecSt
     """Runs rounds on device until every row is done or ``steps`` reaches ``stop_after``: a
     drafted round, then (with draft skipping) the skipped rounds of the pause it set.
 
+    The loop can be re-entered (a stream advances it a round at a time): a pause left by the
+    previous call is finished first, so calling it in pieces runs the same rounds as one call.
     ``constrain`` (a mesh's sharding constraints, ``sharding.Partitioner``) pins the layout of
     the loop carry after every round.
     """
@@ -233,11 +235,13 @@ def spec_loop(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecSt
     def running(s: SpecState):
         return jnp.any(~s.gen.done) & (s.gen.steps < stop_after)
 
-    def body(s: SpecState) -> SpecState:
-        s = pin(drafted_round(model, proposer, cfg, s, requests))
-        if cfg.skip:
-            s = jax.lax.while_loop(lambda s: (s.skip.pause > 0) & running(s),
-                                   lambda s: pin(skipped_round(model, proposer, cfg, s, requests)), s)
-        return s
+    def pause(s: SpecState) -> SpecState:
+        if not cfg.skip:
+            return s
+        return jax.lax.while_loop(lambda s: (s.skip.pause > 0) & running(s),
+                                  lambda s: pin(skipped_round(model, proposer, cfg, s, requests)), s)
 
-    return jax.lax.while_loop(running, body, state)
+    def body(s: SpecState) -> SpecState:
+        return pause(pin(drafted_round(model, proposer, cfg, s, requests)))
+
+    return jax.lax.while_loop(running, body, pause(state))
