@@ -364,7 +364,8 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme
           "excluded); the median over prompts × passes, ± its inter-quartile range as the noise. τ = committed "
           "tokens per drafted round (a target forward over a drafted tree), bonus included, pooled over all "
           "rounds; skipped = the share of rounds that skipped the drafter and ran a plain target step "
-          "(docs/cost_model.md, not counted in τ); α_j = acceptance at depth j given depth j − 1. Greedy = AR: every output identical to AR's (divergences at near-ties are counted).",
+          "(docs/cost_model.md, not counted in τ; draft skipping is off by default, so 0 %, and — in rows measured "
+          "before the column existed); α_j = acceptance at depth j given depth j − 1. Greedy = AR: every output identical to AR's (divergences at near-ties are counted).",
           "- This is a reduced CPU protocol (DESIGN.md §4 asks for 32 prompts, 128 tokens, budgets {4, 8, 16, 32} "
           "and three repeats, which take many hours on this machine); the same script runs the full protocol "
           "with the flags in its docstring.", ""]
