@@ -11,7 +11,7 @@ from treespark_jax.decode.state import GenState, Requests, append_tokens, row_ke
 from treespark_jax.streams import STREAM_TARGET_SAMPLE
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.sampling import sample_token
-from treespark_jax.typing import Array, Bool, Int
+from treespark_jax.typing import Array, Bool, Float, Int
 
 
 def decode_mask(lengths: Int[Array, "B"], capacity: int) -> Bool[Array, "B 1 S"]:
@@ -19,14 +19,19 @@ def decode_mask(lengths: Int[Array, "B"], capacity: int) -> Bool[Array, "B 1 S"]
     return (jnp.arange(capacity)[None, None, :] <= lengths[:, None, None])
 
 
-def ar_step(model: Decoder, state: GenState, requests: Requests, greedy: bool) -> GenState:
+def target_step(model: Decoder, state: GenState, requests: Requests, greedy: bool,
+                layer_ids: tuple[int, ...] = ()) -> tuple[GenState, Float[Array, "B 1 F"] | None, Int[Array, "B"]]:
     """Feeds each row's anchor (last emitted token) and emits the next token.
 
     Finished rows still run (shapes are static) but neither advance their cache nor emit.
+
+    Returns:
+      ``(state, features, token)``: the new state, the anchor's features at ``layer_ids``
+      (``None`` without layers) and the ``[B]`` int32 token drawn on every row.
     """
     cache = state.cache
     positions = cache.lengths[:, None]
-    output = model(state.anchor[:, None], positions, decode_mask(cache.lengths, cache.capacity), cache)
+    output = model(state.anchor[:, None], positions, decode_mask(cache.lengths, cache.capacity), cache, layer_ids)
     logits = model.logits(output.hidden)[:, 0]
     token = sample_token(row_keys(requests, STREAM_TARGET_SAMPLE, state.n_out), logits,
                          requests.temp, requests.top_p, greedy)
@@ -34,7 +39,12 @@ def ar_step(model: Decoder, state: GenState, requests: Requests, greedy: bool) -
     state = state.replace(cache=output.cache.replace(lengths=cache.lengths + advance),
                           anchor=jnp.where(state.done, state.anchor, token), steps=state.steps + 1)
     state, _ = append_tokens(state, token[:, None], jnp.ones_like(advance), requests)
-    return state
+    return state, output.features, token
+
+
+def ar_step(model: Decoder, state: GenState, requests: Requests, greedy: bool) -> GenState:
+    """One autoregressive step (``target_step`` without features)."""
+    return target_step(model, state, requests, greedy)[0]
 
 
 def ar_loop(model: Decoder, state: GenState, requests: Requests, stop_after: Int[Array, ""],

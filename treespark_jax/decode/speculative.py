@@ -21,16 +21,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from treespark_jax.config import TreeConfig
-from treespark_jax.decode.ar import decode_mask
+from treespark_jax.decode.ar import target_step
 from treespark_jax.decode.commit import commit_path
 from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
 from treespark_jax.decode.skip import SkipState, after_draft, after_skip
-from treespark_jax.decode.state import GenState, Requests, append_tokens, row_keys
+from treespark_jax.decode.state import GenState, Requests, append_tokens
 from treespark_jax.decode.tree_log import TreeLog
 from treespark_jax.drafter.proposer import Committed, Proposer
 from treespark_jax.models.decoder import Decoder
-from treespark_jax.sampling import sample_token
-from treespark_jax.streams import STREAM_TARGET_SAMPLE
 from treespark_jax.tree.accept import Acceptance, accept
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.tree.builders import build_tree
@@ -139,19 +137,12 @@ def _verify(model: Decoder, proposer: Proposer, cfg: SpecConfig, n: int, tree: D
 def skipped_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecState,
                   requests: Requests) -> SpecState:
     """A round without drafting: the target reads the anchor alone and emits its next token
-    (as ``decode.ar.ar_step``), and the proposer's context gains the anchor."""
+    (``decode.ar.target_step``), and the proposer's context gains the anchor."""
     gen = state.gen
     active = ~gen.done
-    cache = gen.cache
-    out = model(gen.anchor[:, None], cache.lengths[:, None], decode_mask(cache.lengths, cache.capacity), cache,
-                proposer.layer_ids)
-    token = sample_token(row_keys(requests, STREAM_TARGET_SAMPLE, gen.n_out), model.logits(out.hidden)[:, 0],
-                         requests.temp, requests.top_p, cfg.greedy)
-    new_gen, _ = append_tokens(gen, token[:, None], jnp.ones_like(gen.n_out), requests)
-    new_gen = new_gen.replace(cache=out.cache.replace(lengths=cache.lengths + active),
-                              anchor=jnp.where(active, token, gen.anchor), steps=gen.steps + 1)
+    new_gen, features, token = target_step(model, gen, requests, cfg.greedy, proposer.layer_ids)
     pad = cfg.tree.max_depth  # Committed rows beyond the anchor
-    features = None if out.features is None else jnp.pad(out.features, ((0, 0), (0, pad), (0, 0)))
+    features = None if features is None else jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
     committed = Committed(tokens=jnp.pad(gen.anchor[:, None], ((0, 0), (0, pad))), n=active.astype(jnp.int32),
                           bonus=token, features=features)
     return state.replace(gen=new_gen, proposer=proposer.update(state.proposer, committed),
