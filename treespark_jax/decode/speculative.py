@@ -170,10 +170,10 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     # Attention is dense over the whole cache, so a round pays for the capacity (static), not
     # the committed lengths: the costs are constants of this program.
     context = gen.cache.capacity
+    verify_ms, draft_ms = cfg.cost.verify_cost(ladder, context), cfg.cost.draft_cost(context)
     if len(ladder) > 1:
         survival = expected_accepted(tree) * active[:, None]
-        rung = choose_verify_size(survival, ladder, cfg.cost.verify_cost(ladder, context),
-                                  cfg.cost.draft_cost(context), non_anticipating=cfg.sampled_children)
+        rung = choose_verify_size(survival, ladder, verify_ms, draft_ms, non_anticipating=cfg.sampled_children)
     branches = [functools.partial(_verify, model, proposer, cfg, n) for n in ladder]
     cache, acc, features, hidden = jax.lax.switch(rung, branches, tree, proposal, gen, requests, keys)
     log = state.log
@@ -193,7 +193,7 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     skip = state.skip
     if cfg.skip:
         tokens = jnp.sum(jnp.where(active, acc.n_accepted + 1, 0)) / jnp.maximum(jnp.sum(active), 1)
-        round_ms = cfg.cost.draft_cost(context) + jnp.asarray(cfg.cost.verify_cost(ladder, context))[rung]
+        round_ms = draft_ms + jnp.asarray(verify_ms)[rung]
         skip = after_draft(skip, tokens, round_ms, float(cfg.cost.step_cost(context)))
     return SpecState(gen=new_gen, proposer=proposer.update(state.proposer, committed),
                      stats=_count(state.stats, acc, active, rung, d), log=log, skip=skip)
@@ -202,12 +202,12 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
 def _count(stats: SpecStats, acc: Acceptance, active, rung, max_depth: int) -> SpecStats:
     depth = jnp.arange(max_depth)[None, :]
     on = active[:, None]
-    return SpecStats(
+    return stats.replace(
         rounds=stats.rounds + active,
         accepted=stats.accepted + jnp.where(active, acc.n_accepted, 0),
         depth_reached=stats.depth_reached + (on & (acc.n_accepted[:, None] >= depth)),
         depth_accepted=stats.depth_accepted + (on & (acc.n_accepted[:, None] > depth)),
-        rung_rounds=stats.rung_rounds.at[rung].add(jnp.any(active).astype(jnp.int32)), skipped=stats.skipped)
+        rung_rounds=stats.rung_rounds.at[rung].add(jnp.any(active).astype(jnp.int32)))
 
 
 def spec_loop(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecState,
