@@ -295,26 +295,39 @@ def check(args, sets, temps, out: Path) -> None:
     rows = [row for s in sets for t in temps
             for row in compare_runs(s, t, json.loads((out / f"bench-{s}-t{t:g}.json").read_text()),
                                     json.loads((out / "check" / f"bench-{s}-t{t:g}.json").read_text()))]
-    rep = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "others_cpu": [_others_share(clock, _cpu_clock())],
-           "rows": rows}
+    run = {"date": time.strftime("%Y-%m-%d"), "others_cpu": _others_share(clock, _cpu_clock())}
+    checked = {(s, t) for s in sets for t in temps}
+    kept = [r for r in _checked_rows(out) if (r["set"], r["temp"]) not in checked]
+    rep = {"machine": _machine(), "rows": kept + [{**r, **run} for r in rows]}
     (out / "reproduction.json").write_text(json.dumps(rep, indent=2))
+
+
+def _checked_rows(out: Path) -> list[dict]:
+    """The rows of ``out/reproduction.json`` (none if absent), each with its check's ``date`` and
+    ``others_cpu`` (files written before these were per row keep them once at the top)."""
+    path = out / "reproduction.json"
+    if not path.is_file():
+        return []
+    rep = json.loads(path.read_text())
+    run = {"date": rep.get("date"), "others_cpu": (rep.get("others_cpu") or [None])[0]}
+    return [{**run, **r} for r in rep["rows"]]
 
 
 def reproduction(out: Path) -> list[str]:
     """The page's reproduction section from ``out/reproduction.json`` (``--check``), if it ran."""
-    path = out / "reproduction.json"
-    if not path.is_file():
+    rows = _checked_rows(out)
+    if not rows:
         return ["Not checked yet: `python experiments/results.py --check --sets SET --temps T` measures a table "
                 "again and fills this section.", ""]
-    rep = json.loads(path.read_text())
-    ok = sum(r["reproduced"] for r in rep["rows"])
-    tables = ", ".join(dict.fromkeys(f"{r['set']} temp {r['temp']:g}" for r in rep["rows"]))
-    lines = [f"`--check` measured {tables} again on {rep['date']} ({_others_words(rep['others_cpu'])}): "
-             f"{ok} of {len(rep['rows'])} rows reproduced within the stated noise "
+    ok = sum(r["reproduced"] for r in rows)
+    tables = ", ".join(dict.fromkeys(f"{r['set']} temp {r['temp']:g}" for r in rows))
+    dates = " and ".join(sorted({str(r["date"]) for r in rows}))
+    lines = [f"`--check` measured {tables} again on {dates} ({_others_words([r['others_cpu'] for r in rows])}): "
+             f"{ok} of {len(rows)} rows reproduced within the stated noise "
              f"(|Δτ| ≤ {TAU_TOL}, |Δspeedup| ≤ the larger IQR of the two runs).", "",
              "| table | method | budget | τ page → again | speedup page → again | noise | reproduced |",
              "|---|---|---|---|---|---|---|"]
-    for r in rep["rows"]:
+    for r in rows:
         lines.append(f"| {r['set']} temp {r['temp']:g} | {r['method']} | {_fmt(r['budget'], 'd')} | "
                      f"{r['tau'][0]:.2f} → {r['tau'][1]:.2f} | {r['speedup'][0]:.2f} → {r['speedup'][1]:.2f} | "
                      f"± {r['noise']:.2f} | {'yes' if r['reproduced'] else 'NO'} |")

@@ -102,3 +102,28 @@ def test_measuring_refuses_a_low_map_limit_before_starting(results, tmp_path, mo
     args = results.argparse.Namespace(limit=4, max_new_tokens=64, budgets="4,8,16", repeats=1)
     with pytest.raises(SystemExit, match="19 .method, budget. rows .* above this machine's vm.max_map_count of 65,530"):
         results._run_jobs(args, ["bench:gsm8k:0"], tmp_path)
+
+
+def test_a_check_of_one_table_keeps_the_other_tables_verdicts(results, tmp_path, monkeypatch):
+    out = tmp_path / "results"
+    (out / "check").mkdir(parents=True)
+    page = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.9, 1.2, 0.1)]
+    for name in ("bench-gsm8k-t0.json", "bench-gsm8k-t1.json"):
+        (out / name).write_text(json.dumps(page))
+    args = {"sets": "gsm8k", "temps": "0,1", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1}
+    (out / "meta.json").write_text(json.dumps({"args": args}))
+    old = {"date": "2026-11-30", "machine": "cpu", "others_cpu": [0.01],  # the format before per-row dates
+           "rows": results.compare_runs("gsm8k", 0.0, page, page) + results.compare_runs("gsm8k", 1.0, page, page)}
+    (out / "reproduction.json").write_text(json.dumps(old))
+    slower = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.9, 0.8, 0.1)]
+    monkeypatch.setattr(results, "_run_jobs", lambda a, jobs, where: (where / "bench-gsm8k-t1.json").write_text(
+        json.dumps(slower)))
+    monkeypatch.setattr(results.time, "strftime", lambda fmt: "2026-12-01")
+    results.check(results.argparse.Namespace(**args), ["gsm8k"], [1.0], out)
+    rows = {(r["temp"], r["method"]): r for r in json.loads((out / "reproduction.json").read_text())["rows"]}
+    assert len(rows) == 4
+    assert rows[(0.0, "treespark")]["reproduced"] and rows[(0.0, "treespark")]["date"] == "2026-11-30"
+    assert not rows[(1.0, "treespark")]["reproduced"] and rows[(1.0, "treespark")]["date"] == "2026-12-01"
+    section = "\n".join(results.reproduction(out))
+    assert "gsm8k temp 0, gsm8k temp 1 again on 2026-11-30 and 2026-12-01" in section
+    assert "3 of 4 rows reproduced" in section
