@@ -123,11 +123,29 @@ def test_jitted_verify_cost_with_a_traced_context_matches_numpy_and_compiles_onc
     np.testing.assert_allclose(HAND.draft_cost(200), 4.0)
 
 
-def test_cost_model_is_hashable_and_ignores_raw_measurements_in_equality():
+def test_cost_model_is_hashable_and_its_raw_measurements_count_in_equality():
     a = CostModel.fit((64,), (1, 5), [[10.0, 12.0]], [2.0], target="t")
+    same = CostModel.fit((64,), (1, 5), [[10.0, 12.0]], [2.0], target="t")
     b = CostModel(contexts=a.contexts, rows=a.rows, verify_ms=a.verify_ms, draft_ms=a.draft_ms, target="t")
     assert b.measured_verify_ms is None and a.measured_verify_ms is not None
-    assert a == b and hash(a) == hash(b)
+    assert a == same and hash(a) == hash(same)
+    assert a != b  # the skip controller prices rounds with the raw medians: another program
+
+
+def test_measured_round_cost_reads_the_raw_medians_where_the_fit_smooths_them():
+    # concave over the small rungs, as on CPU: the convex fit lifts 2 rows above its median
+    contexts, rows = (64, 256), (2, 3, 5, 9)
+    measured = [[41.0, 48.0, 61.0, 70.0], [48.0, 51.0, 66.0, 72.0]]
+    cost = CostModel.fit(contexts, rows, measured, [12.0, 10.0])
+    ladder = (8, 4, 2, 1)
+    assert cost.verify_cost(ladder, 64)[-1] > 41.0 + 1
+    np.testing.assert_allclose(cost.measured_round_cost(ladder, 64), [70 + 12, 61 + 12, 48 + 12, 41 + 12])
+    np.testing.assert_allclose(cost.measured_round_cost((1,), 160), [(41 + 48) / 2 + 11])
+    traced = jax.jit(lambda c: cost.measured_round_cost(ladder, c))(jnp.asarray(256, jnp.int32))
+    np.testing.assert_allclose(traced, [72 + 10, 66 + 10, 51 + 10, 48 + 10], rtol=1e-6)
+    bare = CostModel(contexts=contexts, rows=rows, verify_ms=cost.verify_ms, draft_ms=cost.draft_ms)
+    np.testing.assert_allclose(bare.measured_round_cost(ladder, 64),
+                               cost.verify_cost(ladder, 64) + cost.draft_cost(64))
 
 
 @pytest.mark.parametrize("fields, message", [

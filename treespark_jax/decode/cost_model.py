@@ -176,8 +176,9 @@ class CostModel:
       device: device kind measured on (``jax.Device.device_kind``, e.g. ``"cpu"``).
       target: target id (``target_id``) measured for.
       budget: tree budget N the draft cost was measured at (its ladder gave ``rows``).
-      measured_verify_ms: the raw medians behind ``verify_ms`` (same shape), or ``None``;
-        kept for reports, ignored by equality and hashing.
+      measured_verify_ms: the raw medians behind ``verify_ms`` (same shape), or ``None``: the
+        draft-skipping controller prices a round with them (``measured_round_cost``), so they
+        count in equality and hashing like every constant of a compiled program.
       measured_draft_ms: the raw medians behind ``draft_ms``, or ``None`` (ditto).
       step_ms: ``[len(contexts)]`` latency of a one-row target call (milliseconds), the cost of a
         round that skips drafting and verifies the anchor alone (``decode/skip.py``); kept out of
@@ -197,9 +198,8 @@ class CostModel:
     device: str = "cpu"
     target: str = "unknown"
     budget: int = 0
-    measured_verify_ms: tuple[tuple[float, ...], ...] | None = dataclasses.field(
-        default=None, compare=False, hash=False)
-    measured_draft_ms: tuple[float, ...] | None = dataclasses.field(default=None, compare=False, hash=False)
+    measured_verify_ms: tuple[tuple[float, ...], ...] | None = None
+    measured_draft_ms: tuple[float, ...] | None = None
     step_ms: tuple[float, ...] | None = None
 
     def __post_init__(self):
@@ -266,13 +266,26 @@ class CostModel:
         Returns:
           ``[len(nodes)]`` float milliseconds.
         """
+        return self._by_rows(self.verify_ms, nodes, context)
+
+    def measured_round_cost(self, nodes: tuple[int, ...], context) -> np.ndarray | jax.Array:
+        """Latency (ms) of a drafted round that verifies each of ``nodes`` nodes, from the raw
+        medians (draft plus verify; the fitted tables where a model has none).
+
+        The fit is convex in rows, and on CPU the measured verify latency is concave over the
+        small rungs (a matrix-vector kernel at one row, matrix kernels above it), so the fit
+        overstates the smallest rungs; the draft-skipping controller, which weighs a drafted
+        round against a one-row step, reads these instead. Arguments and result as
+        ``verify_cost``.
+        """
+        verify = self._by_rows(self.measured_verify_ms or self.verify_ms, nodes, context)
+        return verify + self._by_context(self.measured_draft_ms or self.draft_ms, context)
+
+    def _by_rows(self, per_context_rows, nodes: tuple[int, ...], context) -> np.ndarray | jax.Array:
         rows = np.asarray(nodes, np.float64) + 1
-        table = np.asarray(self.verify_ms, np.float64).T  # [R, C]
+        table = np.asarray(per_context_rows, np.float64).T  # [R, C]
         by_context = _interp(rows, tuple(map(float, self.rows)), table, np).T  # [C, len(nodes)]
-        xp = _array_module(context)
-        dtype = np.float64 if xp is np else jnp.result_type(float)
-        return _interp(xp.asarray(context, dtype), tuple(map(float, self.contexts)),
-                       xp.asarray(by_context, dtype), xp)
+        return self._by_context(by_context, context)
 
     def draft_cost(self, context) -> np.ndarray | jax.Array:
         """Draft latency (ms) of one round at ``context`` (a number or a traced scalar, as in
@@ -290,7 +303,7 @@ class CostModel:
             raise ValueError("this cost model has no one-row step cost; re-run `treespark profile`.")
         return self._by_context(self.step_ms, context)
 
-    def _by_context(self, per_context: tuple[float, ...], context) -> np.ndarray | jax.Array:
+    def _by_context(self, per_context, context) -> np.ndarray | jax.Array:
         xp = _array_module(context)
         dtype = np.float64 if xp is np else jnp.result_type(float)
         return _interp(xp.asarray(context, dtype), tuple(map(float, self.contexts)),

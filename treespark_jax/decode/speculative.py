@@ -193,7 +193,7 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     skip = state.skip
     if cfg.skip:
         tokens = jnp.sum(jnp.where(active, acc.n_accepted + 1, 0)) / jnp.maximum(jnp.sum(active), 1)
-        round_ms = draft_ms + jnp.asarray(verify_ms)[rung]
+        round_ms = jnp.asarray(cfg.cost.measured_round_cost(ladder, context))[rung]
         skip = after_draft(skip, tokens, round_ms, float(cfg.cost.step_cost(context)))
     return SpecState(gen=new_gen, proposer=proposer.update(state.proposer, committed),
                      stats=_count(state.stats, acc, active, rung, d), log=log, skip=skip)
