@@ -136,16 +136,26 @@ def test_measured_round_cost_reads_the_raw_medians_where_the_fit_smooths_them():
     # concave over the small rungs, as on CPU: the convex fit lifts 2 rows above its median
     contexts, rows = (64, 256), (2, 3, 5, 9)
     measured = [[41.0, 48.0, 61.0, 70.0], [48.0, 51.0, 66.0, 72.0]]
-    cost = CostModel.fit(contexts, rows, measured, [12.0, 10.0])
+    cost = CostModel.fit(contexts, rows, measured, [12.0, 10.0])  # draft pooled: 11, 11
     ladder = (8, 4, 2, 1)
     assert cost.verify_cost(ladder, 64)[-1] > 41.0 + 1
-    np.testing.assert_allclose(cost.measured_round_cost(ladder, 64), [70 + 12, 61 + 12, 48 + 12, 41 + 12])
+    np.testing.assert_allclose(cost.measured_round_cost(ladder, 64), [70 + 11, 61 + 11, 48 + 11, 41 + 11])
     np.testing.assert_allclose(cost.measured_round_cost((1,), 160), [(41 + 48) / 2 + 11])
     traced = jax.jit(lambda c: cost.measured_round_cost(ladder, c))(jnp.asarray(256, jnp.int32))
-    np.testing.assert_allclose(traced, [72 + 10, 66 + 10, 51 + 10, 48 + 10], rtol=1e-6)
+    np.testing.assert_allclose(traced, [72 + 11, 66 + 11, 51 + 11, 48 + 11], rtol=1e-6)
     bare = CostModel(contexts=contexts, rows=rows, verify_ms=cost.verify_ms, draft_ms=cost.draft_ms)
     np.testing.assert_allclose(bare.measured_round_cost(ladder, 64),
                                cost.verify_cost(ladder, 64) + cost.draft_cost(64))
+
+
+def test_measured_round_cost_never_falls_where_noisy_medians_do():
+    # a dip in rows and a longer context measured faster: extrapolated raw, 4,096 would go negative
+    cost = CostModel.fit((64, 256), (2, 3, 5), [[5.1, 5.3, 5.0], [4.9, 5.2, 5.4]], [1.2, 1.0])
+    # rows (5.1, 5.15, 5.15), then the contexts pooled with (4.9, 5.2, 5.4)
+    np.testing.assert_allclose(cost.monotone_verify_ms(), [[5.0, 5.175, 5.275]] * 2)
+    far = cost.measured_round_cost((1, 2, 4), 4096)
+    assert np.all(far > 0) and np.all(np.diff(far) >= 0)
+    np.testing.assert_allclose(far, cost.measured_round_cost((1, 2, 4), 64))
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -179,7 +179,7 @@ class CostModel:
       measured_verify_ms: the raw medians behind ``verify_ms`` (same shape), or ``None``: the
         draft-skipping controller prices a round with them (``measured_round_cost``), so they
         count in equality and hashing like every constant of a compiled program.
-      measured_draft_ms: the raw medians behind ``draft_ms``, or ``None`` (ditto).
+      measured_draft_ms: the raw medians behind ``draft_ms``, or ``None`` (kept for reports).
       step_ms: ``[len(contexts)]`` latency of a one-row target call (milliseconds), the cost of a
         round that skips drafting and verifies the anchor alone (``decode/skip.py``); kept out of
         the convex fit in rows (on CPU one row runs a matrix-vector kernel, a kink below the grid),
@@ -269,17 +269,29 @@ class CostModel:
         return self._by_rows(self.verify_ms, nodes, context)
 
     def measured_round_cost(self, nodes: tuple[int, ...], context) -> np.ndarray | jax.Array:
-        """Latency (ms) of a drafted round that verifies each of ``nodes`` nodes, from the raw
-        medians (draft plus verify; the fitted tables where a model has none).
+        """Latency (ms) of a drafted round that verifies each of ``nodes`` nodes, with the verify
+        part read from the raw medians (``monotone_verify_ms``) and the fitted draft cost.
 
         The fit is convex in rows, and on CPU the measured verify latency is concave over the
         small rungs (a matrix-vector kernel at one row, matrix kernels above it), so the fit
         overstates the smallest rungs; the draft-skipping controller, which weighs a drafted
         round against a one-row step, reads these instead. Arguments and result as
-        ``verify_cost``.
+        ``verify_cost``; non-negative and non-decreasing in ``nodes`` and ``context``.
         """
-        verify = self._by_rows(self.measured_verify_ms or self.verify_ms, nodes, context)
-        return verify + self._by_context(self.measured_draft_ms or self.draft_ms, context)
+        return self._by_rows(self.monotone_verify_ms(), nodes, context) + self.draft_cost(context)
+
+    def monotone_verify_ms(self) -> tuple[tuple[float, ...], ...]:
+        """The raw verify medians made non-decreasing, without the convexity of the fit:
+        isotonic in rows for each context, then pooled over contexts
+        (``pool_adjacent_violators`` both times); ``verify_ms`` when there are none.
+
+        Returns:
+          ``[len(contexts)][len(rows)]`` milliseconds.
+        """
+        if self.measured_verify_ms is None:
+            return self.verify_ms
+        by_rows = np.stack([pool_adjacent_violators(np.asarray(m)[:, None])[:, 0] for m in self.measured_verify_ms])
+        return tuple(map(tuple, pool_adjacent_violators(by_rows).tolist()))
 
     def _by_rows(self, per_context_rows, nodes: tuple[int, ...], context) -> np.ndarray | jax.Array:
         rows = np.asarray(nodes, np.float64) + 1

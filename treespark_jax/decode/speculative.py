@@ -45,7 +45,7 @@ class SpecConfig:
     Attributes:
       tree: tree shape and builder; ``tree.budget`` is the maximum budget N.
       greedy: temperature 0 (greedy acceptance, deterministic children).
-      cost: cost model for the cost-aware stop (``tree.stop``).
+      cost: cost model for the cost-aware stop (``tree.stop``) and draft skipping (``tree.skip``).
       log_trees: keep every round's verified tree in the state (on-policy rollouts).
     """
 
@@ -170,10 +170,10 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     # Attention is dense over the whole cache, so a round pays for the capacity (static), not
     # the committed lengths: the costs are constants of this program.
     context = gen.cache.capacity
-    verify_ms, draft_ms = cfg.cost.verify_cost(ladder, context), cfg.cost.draft_cost(context)
     if len(ladder) > 1:
         survival = expected_accepted(tree) * active[:, None]
-        rung = choose_verify_size(survival, ladder, verify_ms, draft_ms, non_anticipating=cfg.sampled_children)
+        rung = choose_verify_size(survival, ladder, cfg.cost.verify_cost(ladder, context),
+                                  cfg.cost.draft_cost(context), non_anticipating=cfg.sampled_children)
     branches = [functools.partial(_verify, model, proposer, cfg, n) for n in ladder]
     cache, acc, features, hidden = jax.lax.switch(rung, branches, tree, proposal, gen, requests, keys)
     log = state.log
