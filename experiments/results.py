@@ -250,6 +250,8 @@ def measure(args, sets, temps, out: Path) -> None:
             meta["minutes"] += old["minutes"]
             meta["others_cpu"] = [*old.get("others_cpu", []), *meta["others_cpu"]]
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    if (out / "reproduction.json").is_file():  # a verdict on a table measured again no longer holds
+        _write_checked_rows(out, _checked_rows(out, drop=[(s, t) for s in sets for t in temps]))
 
 
 PROTOCOL = ("limit", "max_new_tokens", "budgets", "repeats")
@@ -295,22 +297,27 @@ def check(args, sets, temps, out: Path) -> None:
     rows = [row for s in sets for t in temps
             for row in compare_runs(s, t, json.loads((out / f"bench-{s}-t{t:g}.json").read_text()),
                                     json.loads((out / "check" / f"bench-{s}-t{t:g}.json").read_text()))]
-    run = {"date": time.strftime("%Y-%m-%d"), "others_cpu": _others_share(clock, _cpu_clock())}
-    checked = {(s, t) for s in sets for t in temps}
-    kept = [r for r in _checked_rows(out) if (r["set"], r["temp"]) not in checked]
-    rep = {"machine": _machine(), "rows": kept + [{**r, **run} for r in rows]}
-    (out / "reproduction.json").write_text(json.dumps(rep, indent=2))
+    run = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "others_cpu": _others_share(clock, _cpu_clock())}
+    _write_checked_rows(out, _checked_rows(out, drop=[(s, t) for s in sets for t in temps]) +
+                        [{**r, **run} for r in rows])
 
 
-def _checked_rows(out: Path) -> list[dict]:
-    """The rows of ``out/reproduction.json`` (none if absent), each with its check's ``date`` and
-    ``others_cpu`` (files written before these were per row keep them once at the top)."""
+def _checked_rows(out: Path, drop=()) -> list[dict]:
+    """The rows of ``out/reproduction.json`` (none if absent) but those of the ``(set, temp)``
+    tables in ``drop``, each with its check's ``date``, ``machine`` and ``others_cpu`` (files
+    written before these were per row keep them once at the top)."""
     path = out / "reproduction.json"
     if not path.is_file():
         return []
     rep = json.loads(path.read_text())
-    run = {"date": rep.get("date"), "others_cpu": (rep.get("others_cpu") or [None])[0]}
-    return [{**run, **r} for r in rep["rows"]]
+    run = {"date": rep.get("date"), "machine": rep.get("machine"), "others_cpu": (rep.get("others_cpu") or [None])[0]}
+    return [{**run, **r} for r in rep["rows"] if (r["set"], r["temp"]) not in set(drop)]
+
+
+def _write_checked_rows(out: Path, rows: list[dict]) -> None:
+    """``out/reproduction.json`` with ``rows`` in page order (temperature, then set)."""
+    rows = sorted(rows, key=lambda r: (r["temp"], r["set"]))
+    (out / "reproduction.json").write_text(json.dumps({"rows": rows}, indent=2))
 
 
 def reproduction(out: Path) -> list[str]:
@@ -320,9 +327,11 @@ def reproduction(out: Path) -> list[str]:
         return ["Not checked yet: `python experiments/results.py --check --sets SET --temps T` measures a table "
                 "again and fills this section.", ""]
     ok = sum(r["reproduced"] for r in rows)
-    tables = ", ".join(dict.fromkeys(f"{r['set']} temp {r['temp']:g}" for r in rows))
-    dates = " and ".join(sorted({str(r["date"]) for r in rows}))
-    lines = [f"`--check` measured {tables} again on {dates} ({_others_words([r['others_cpu'] for r in rows])}): "
+    by_date: dict[str, dict] = {}
+    for r in rows:
+        by_date.setdefault(str(r["date"]), {})[f"{r['set']} temp {r['temp']:g}"] = None
+    when = " and ".join(f"{', '.join(tables)} on {date}" for date, tables in sorted(by_date.items()))
+    lines = [f"`--check` measured {when} again ({_others_words([r['others_cpu'] for r in rows])}): "
              f"{ok} of {len(rows)} rows reproduced within the stated noise "
              f"(|Δτ| ≤ {TAU_TOL}, |Δspeedup| ≤ the larger IQR of the two runs).", "",
              "| table | method | budget | τ page → again | speedup page → again | noise | reproduced |",

@@ -111,7 +111,7 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(results, tmp_path,
     for name in ("bench-gsm8k-t0.json", "bench-gsm8k-t1.json"):
         (out / name).write_text(json.dumps(page))
     args = {"sets": "gsm8k", "temps": "0,1", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1}
-    (out / "meta.json").write_text(json.dumps({"args": args}))
+    (out / "meta.json").write_text(json.dumps({"minutes": 1.0, "args": args}))
     old = {"date": "2026-11-30", "machine": "cpu", "others_cpu": [0.01],  # the format before per-row dates
            "rows": results.compare_runs("gsm8k", 0.0, page, page) + results.compare_runs("gsm8k", 1.0, page, page)}
     (out / "reproduction.json").write_text(json.dumps(old))
@@ -125,5 +125,10 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(results, tmp_path,
     assert rows[(0.0, "treespark")]["reproduced"] and rows[(0.0, "treespark")]["date"] == "2026-11-30"
     assert not rows[(1.0, "treespark")]["reproduced"] and rows[(1.0, "treespark")]["date"] == "2026-12-01"
     section = "\n".join(results.reproduction(out))
-    assert "gsm8k temp 0, gsm8k temp 1 again on 2026-11-30 and 2026-12-01" in section
+    assert "measured gsm8k temp 0 on 2026-11-30 and gsm8k temp 1 on 2026-12-01 again" in section
     assert "3 of 4 rows reproduced" in section
+
+    # measuring a table for the page again drops its now stale verdicts, and keeps the others
+    monkeypatch.setattr(results, "_run_jobs", lambda *a: None)
+    results.measure(results.argparse.Namespace(**args | {"sets": "gsm8k", "temps": "1"}), ["gsm8k"], [1.0], out)
+    assert {r["temp"] for r in json.loads((out / "reproduction.json").read_text())["rows"]} == {0.0}
