@@ -31,27 +31,23 @@ import json
 import statistics
 from pathlib import Path
 
-import numpy as np
-
 from treespark_jax.api import load
-from treespark_jax.decode.cost_model import CostModel, pool_adjacent_violators
+from treespark_jax.decode.cost_model import CostModel
 from treespark_jax.train.prompts import load_prompts, prompt_ids
 
 FIRST = {"gsm8k": 192, "humaneval": 0, "mtbench": 0}  # where each set's window of training prompts starts
 
 
 def monotone_table(cost: CostModel) -> CostModel:
-    """``cost`` with the verify and draft tables replaced by its raw medians made non-decreasing
-    (isotonic in rows per context, then pooled over contexts); unchanged without raw medians."""
-    if cost.measured_verify_ms is None or cost.measured_draft_ms is None:
-        return cost
-    rows = np.stack([pool_adjacent_violators(np.asarray(m)[:, None])[:, 0] for m in cost.measured_verify_ms])
-    draft = pool_adjacent_violators(np.asarray(cost.measured_draft_ms))
-    return dataclasses.replace(cost, verify_ms=pool_adjacent_violators(rows).tolist(), draft_ms=draft.tolist())
+    """``cost`` with its verify table replaced by the raw medians made non-decreasing
+    (``CostModel.monotone_verify_ms``, the table the skip controller prices rounds with).
 
-
-def seconds_per_token(stats) -> float:
-    return stats.decode_s / max(stats.new_tokens - 1, 1)
+    Raises:
+      SystemExit: if ``cost`` has no raw medians (the variant would repeat ``skip``).
+    """
+    if cost.measured_verify_ms is None:
+        raise SystemExit("the cost model has no raw verify medians; re-run `treespark profile`.")
+    return dataclasses.replace(cost, verify_ms=cost.monotone_verify_ms())
 
 
 def main() -> None:
@@ -71,12 +67,15 @@ def main() -> None:
                 "skip": (fitted, lm.speculation("treespark", args.budget, skip=True)),
                 "skip, monotone stop": (monotone_table(fitted), lm.speculation("treespark", args.budget, skip=True))}
     n = args.max_new_tokens
-    result = {"args": vars(args), "sets": {}}
+    windows = {}
     for name in args.sets.split(","):
         start = FIRST[name] + args.offset
-        prompts = [prompt_ids(lm.tokenizer, r) for r in load_prompts(name, "train")[start:start + args.limit]]
-        if len(prompts) < args.limit:
-            raise SystemExit(f"{name} has {len(prompts)} training prompts from {start}; --limit is {args.limit}.")
+        windows[name] = [prompt_ids(lm.tokenizer, r) for r in load_prompts(name, "train")[start:start + args.limit]]
+        if len(windows[name]) < args.limit:
+            raise SystemExit(f"{name} has {len(windows[name])} training prompts from {start}; --limit is {args.limit}.")
+    result = {"args": vars(args), "sets": {}}
+    for name, prompts in windows.items():
+        start = FIRST[name] + args.offset
         engine.cost = fitted
         engine.generate([prompts[0]], n)  # compile every program outside the timings
         for cost, spec in variants.values():
@@ -84,18 +83,17 @@ def main() -> None:
             engine.generate([prompts[0]], n, spec=spec)
         rows = {k: {"speedup": [], "rounds": 0, "accepted": 0.0, "skipped": 0} for k in variants}
         for ids in prompts:
-            engine.cost = fitted
-            reference, ar = engine.generate([ids], n)
+            reference, ar = engine.generate([ids], n)  # AR does not read the cost model
             for key, (cost, spec) in variants.items():
                 engine.cost = cost
                 out, stats = engine.generate([ids], n, spec=spec)
-                assert out == reference, f"{name}: {key} changed the greedy output"
+                if out != reference:
+                    raise SystemExit(f"{name}: {key} changed the greedy output of a prompt; decoding is not exact.")
                 row = rows[key]
-                row["speedup"].append(seconds_per_token(ar) / seconds_per_token(stats))
+                row["speedup"].append(stats.tokens_per_s / ar.tokens_per_s)
                 row["rounds"] += stats.rounds
                 row["accepted"] += (stats.tau - 1) * stats.rounds
                 row["skipped"] += stats.skipped_rounds
-        engine.cost = fitted
         result["sets"][name] = {"prompts": [start, start + args.limit], "variants": {
             k: {"speedup": r["speedup"], "speedup_median": statistics.median(r["speedup"]),
                 "tau": 1 + r["accepted"] / max(r["rounds"], 1),

@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from treespark_jax.decode.cost_model import CostModel
 
@@ -25,4 +26,5 @@ def test_monotone_table_keeps_the_raw_medians_made_non_decreasing():
     np.testing.assert_allclose(table.draft_ms, [11.0, 11.0])
     assert table.measured_verify_ms == cost.measured_verify_ms and table.step_ms == cost.step_ms
     bare = CostModel(contexts=cost.contexts, rows=cost.rows, verify_ms=cost.verify_ms, draft_ms=cost.draft_ms)
-    assert _script().monotone_table(bare) is bare
+    with pytest.raises(SystemExit, match="no raw verify medians"):
+        _script().monotone_table(bare)
