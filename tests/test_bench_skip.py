@@ -1,21 +1,14 @@
 """experiments/bench_skip.py: the monotone stop table it ablates the convex fit with."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from scripts import load_script
 from treespark_jax.decode.cost_model import CostModel
-
-SCRIPT = Path(__file__).parents[1] / "experiments" / "bench_skip.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_skip", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/bench_skip.py")
 
 
 def test_monotone_table_keeps_the_raw_medians_made_non_decreasing():

@@ -8,26 +8,22 @@ a JSON of what it plotted next to it, which is checked here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
+from scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "treespark_demo.ipynb"
-BUILDER = REPO / "notebooks" / "build_demo_notebook.py"
 CELL_TIMEOUT_S = 1200
 
 nbformat = pytest.importorskip("nbformat")
 
 
 def _builder():
-    spec = importlib.util.spec_from_file_location("build_demo_notebook", BUILDER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("notebooks/build_demo_notebook.py")
 
 
 def test_committed_notebook_is_clean_and_matches_its_builder():

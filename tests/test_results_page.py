@@ -1,20 +1,14 @@
 """experiments/results.py: the reproduction check's verdicts and the page it renders, from rows on disk."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).parents[1] / "experiments" / "results.py"
+from scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def results():
-    spec = importlib.util.spec_from_file_location("results_page", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/results.py")
 
 
 def _row(method, budget, tau, speedup, iqr):
