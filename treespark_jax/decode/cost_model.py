@@ -179,7 +179,8 @@ class CostModel:
       measured_verify_ms: the raw medians behind ``verify_ms`` (same shape), or ``None``: the
         draft-skipping controller prices a round with them (``measured_round_cost``), so they
         count in equality and hashing like every constant of a compiled program.
-      measured_draft_ms: the raw medians behind ``draft_ms``, or ``None`` (kept for reports).
+      measured_draft_ms: the raw medians behind ``draft_ms``, or ``None``; kept for reports,
+        ignored by equality and hashing.
       step_ms: ``[len(contexts)]`` latency of a one-row target call (milliseconds), the cost of a
         round that skips drafting and verifies the anchor alone (``decode/skip.py``); kept out of
         the convex fit in rows (on CPU one row runs a matrix-vector kernel, a kink below the grid),
@@ -199,7 +200,7 @@ class CostModel:
     target: str = "unknown"
     budget: int = 0
     measured_verify_ms: tuple[tuple[float, ...], ...] | None = None
-    measured_draft_ms: tuple[float, ...] | None = None
+    measured_draft_ms: tuple[float, ...] | None = dataclasses.field(default=None, compare=False, hash=False)
     step_ms: tuple[float, ...] | None = None
 
     def __post_init__(self):
