@@ -311,7 +311,8 @@ def _checked_rows(out: Path, drop=()) -> list[dict]:
         return []
     rep = json.loads(path.read_text())
     run = {"date": rep.get("date"), "machine": rep.get("machine"), "others_cpu": (rep.get("others_cpu") or [None])[0]}
-    return [{**run, **r} for r in rep["rows"] if (r["set"], r["temp"]) not in set(drop)]
+    drop = set(drop)
+    return [{**run, **r} for r in rep["rows"] if (r["set"], r["temp"]) not in drop]
 
 
 def _write_checked_rows(out: Path, rows: list[dict]) -> None:
