@@ -1,5 +1,6 @@
 """The cost model of the cost-aware stop: fit, interpolation (numpy and jitted), storage, profiler, CLI."""
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -11,9 +12,11 @@ import pytest
 
 from treespark_jax.bench.profile import parse_contexts, profile_cost, profile_rows
 from treespark_jax.cli import main
+from treespark_jax.config import TreeConfig
 from treespark_jax.decode import cost_model as cm
 from treespark_jax.decode.cost_model import (CostModel, cost_model_for, fit_monotone_convex, load_cost_model,
                                              pool_adjacent_violators, profile_path, save_cost_model, target_id)
+from treespark_jax.decode.speculative import SpecConfig
 
 from tiny import tiny_decoder
 
@@ -129,33 +132,32 @@ def test_cost_model_is_hashable_and_its_raw_measurements_count_in_equality():
     b = CostModel(contexts=a.contexts, rows=a.rows, verify_ms=a.verify_ms, draft_ms=a.draft_ms, target="t")
     assert b.measured_verify_ms is None and a.measured_verify_ms is not None
     assert a == same and hash(a) == hash(same)
-    assert a != b  # the skip controller prices rounds with the raw medians: another program
+    assert a != b  # the stop and the skip controller price rounds with the raw medians: another program
 
 
-def test_measured_round_cost_reads_the_raw_medians_where_the_fit_smooths_them():
+def test_measured_verify_cost_reads_the_raw_medians_where_the_fit_smooths_them():
     # concave over the small rungs, as on CPU: the convex fit lifts 2 rows above its median
     contexts, rows = (64, 256), (2, 3, 5, 9)
     measured = [[41.0, 48.0, 61.0, 70.0], [48.0, 51.0, 66.0, 72.0]]
-    cost = CostModel.fit(contexts, rows, measured, [12.0, 10.0])  # draft pooled: 11, 11
+    cost = CostModel.fit(contexts, rows, measured, [12.0, 10.0])
     ladder = (8, 4, 2, 1)
     assert cost.verify_cost(ladder, 64)[-1] > 41.0 + 1
-    np.testing.assert_allclose(cost.measured_round_cost(ladder, 64), [70 + 11, 61 + 11, 48 + 11, 41 + 11])
-    np.testing.assert_allclose(cost.measured_round_cost((1,), 160), [(41 + 48) / 2 + 11])
-    traced = jax.jit(lambda c: cost.measured_round_cost(ladder, c))(jnp.asarray(256, jnp.int32))
-    np.testing.assert_allclose(traced, [72 + 11, 66 + 11, 51 + 11, 48 + 11], rtol=1e-6)
+    np.testing.assert_allclose(cost.measured_verify_cost(ladder, 64), [70, 61, 48, 41])
+    np.testing.assert_allclose(cost.measured_verify_cost((1,), 160), [(41 + 48) / 2])
+    traced = jax.jit(lambda c: cost.measured_verify_cost(ladder, c))(jnp.asarray(256, jnp.int32))
+    np.testing.assert_allclose(traced, [72, 66, 51, 48], rtol=1e-6)
     bare = CostModel(contexts=contexts, rows=rows, verify_ms=cost.verify_ms, draft_ms=cost.draft_ms)
-    np.testing.assert_allclose(bare.measured_round_cost(ladder, 64),
-                               cost.verify_cost(ladder, 64) + cost.draft_cost(64))
+    np.testing.assert_allclose(bare.measured_verify_cost(ladder, 64), cost.verify_cost(ladder, 64))
 
 
-def test_measured_round_cost_never_falls_where_noisy_medians_do():
+def test_measured_verify_cost_never_falls_where_noisy_medians_do():
     # a dip in rows and a longer context measured faster: extrapolated raw, 4,096 would go negative
     cost = CostModel.fit((64, 256), (2, 3, 5), [[5.1, 5.3, 5.0], [4.9, 5.2, 5.4]], [1.2, 1.0])
     # rows (5.1, 5.15, 5.15), then the contexts pooled with (4.9, 5.2, 5.4)
     np.testing.assert_allclose(cost.monotone_verify_ms(), [[5.0, 5.175, 5.275]] * 2)
-    far = cost.measured_round_cost((1, 2, 4), 4096)
+    far = cost.measured_verify_cost((1, 2, 4), 4096)
     assert np.all(far > 0) and np.all(np.diff(far) >= 0)
-    np.testing.assert_allclose(far, cost.measured_round_cost((1, 2, 4), 64))
+    np.testing.assert_allclose(far, cost.measured_verify_cost((1, 2, 4), 64))
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -312,3 +314,14 @@ def test_profile_bad_input_is_one_sentence_and_exit_2(capsys, flags, message):
     assert main(["profile"] + flags) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("treespark: error: ") and message in err and "\n" not in err
+
+
+def test_the_stop_reads_the_raw_medians_for_deterministic_trees_and_the_fit_for_sampled_ones():
+    cost = CostModel.fit((64, 256), (2, 3, 5, 9), [[41.0, 48.0, 61.0, 70.0], [48.0, 51.0, 66.0, 72.0]], [12.0, 10.0])
+    tree = TreeConfig(budget=8, max_depth=4, branch=2, ladder=(1, 2, 4, 8))
+    raw, fit = [41.0, 48.0, 61.0, 70.0], cost.verify_cost((1, 2, 4, 8), 64)
+    assert not np.allclose(raw, fit)
+    np.testing.assert_allclose(SpecConfig(tree, greedy=True, cost=cost).stop_verify_cost(64), raw)
+    match = dataclasses.replace(tree, verify="match")  # deterministic children at temp > 0
+    np.testing.assert_allclose(SpecConfig(match, greedy=False, cost=cost).stop_verify_cost(64), raw)
+    np.testing.assert_allclose(SpecConfig(tree, greedy=False, cost=cost).stop_verify_cost(64), fit)

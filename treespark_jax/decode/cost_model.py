@@ -26,7 +26,9 @@ contexts whose curves cross are replaced by their average, which is again monoto
 rows; for the draft cost (one value per context) this is exactly isotonic regression. Averaging
 rather than a running maximum matters on a shared machine, where noise only ever inflates a
 latency. Monotone convex costs make the throughput ratio of the cost-aware stop unimodal
-(``tree/verify_size.py``).
+(``tree/verify_size.py``), which the stopping-time rule for sampled trees needs; the stop of a
+deterministic tree, which compares every rung, and draft skipping read the raw medians made
+non-decreasing instead (``measured_verify_cost``).
 
 Storage: JSON at ``cache_root()/profiles/<device kind>/<target id>.json`` (written atomically);
 the default for CPU ships with the package (``decode/cost_default_cpu.json``: the 2-core
@@ -177,8 +179,9 @@ class CostModel:
       target: target id (``target_id``) measured for.
       budget: tree budget N the draft cost was measured at (its ladder gave ``rows``).
       measured_verify_ms: the raw medians behind ``verify_ms`` (same shape), or ``None``: the
-        draft-skipping controller prices a round with them (``measured_round_cost``), so they
-        count in equality and hashing like every constant of a compiled program.
+        stop of a deterministic tree and the draft-skipping controller price rounds with them
+        (``measured_verify_cost``), so they count in equality and hashing like every constant of
+        a compiled program.
       measured_draft_ms: the raw medians behind ``draft_ms``, or ``None``; kept for reports,
         ignored by equality and hashing.
       step_ms: ``[len(contexts)]`` latency of a one-row target call (milliseconds), the cost of a
@@ -269,17 +272,18 @@ class CostModel:
         """
         return self._by_rows(self.verify_ms, nodes, context)
 
-    def measured_round_cost(self, nodes: tuple[int, ...], context) -> np.ndarray | jax.Array:
-        """Latency (ms) of a drafted round that verifies each of ``nodes`` nodes, with the verify
-        part read from the raw medians (``monotone_verify_ms``) and the fitted draft cost.
+    def measured_verify_cost(self, nodes: tuple[int, ...], context) -> np.ndarray | jax.Array:
+        """Latency (ms) of verifying each of ``nodes`` drafted nodes, read from the raw medians
+        made non-decreasing (``monotone_verify_ms``) rather than the convex fit.
 
-        The fit is convex in rows, and on CPU the measured verify latency is concave over the
-        small rungs (a matrix-vector kernel at one row, matrix kernels above it), so the fit
-        overstates the smallest rungs; the draft-skipping controller, which weighs a drafted
-        round against a one-row step, reads these instead. Arguments and result as
-        ``verify_cost``; non-negative and non-decreasing in ``nodes`` and ``context``.
+        On CPU the measured verify latency is concave over the small rungs (a matrix-vector
+        kernel at one row, matrix kernels above it), so the convex fit overstates them. The
+        cost-aware stop of a deterministic tree, which compares every rung exactly and needs no
+        unimodality, and the draft-skipping controller, which weighs a drafted round against a
+        one-row step, read these instead. Arguments and result as ``verify_cost``; non-negative
+        and non-decreasing in ``nodes`` and ``context``.
         """
-        return self._by_rows(self.monotone_verify_ms(), nodes, context) + self.draft_cost(context)
+        return self._by_rows(self.monotone_verify_ms(), nodes, context)
 
     def monotone_verify_ms(self) -> tuple[tuple[float, ...], ...]:
         """The raw verify medians made non-decreasing, without the convexity of the fit:

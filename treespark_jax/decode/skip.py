@@ -8,8 +8,8 @@ decoding. This controller decides *before* drafting, from what drafting achieved
 - after every drafted round, the rate it achieved under the cost model, the active rows' mean
   committed tokens ``1 + accepted`` over ``C_d + C_v(rung)`` milliseconds, updates an exponential
   average (weight ``1 - DECAY`` on the new round); the verify costs are the profile's raw
-  medians made non-decreasing (``CostModel.measured_round_cost``: the convex fit the stop needs
-  overstates the small rungs that decide whether drafting pays at all);
+  medians made non-decreasing (``CostModel.measured_verify_cost``: the convex fit overstates the
+  small rungs that decide whether drafting pays at all);
 - when that average is below the rate of a round that verifies the anchor alone, ``1 / C_step``
   (``CostModel.step_ms``), the next ``pause`` rounds skip the drafter;
 - a skipped round feeds the anchor alone to the target and emits the target's own next token

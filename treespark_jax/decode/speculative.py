@@ -70,6 +70,14 @@ class SpecConfig:
         """Verify sizes the round chooses from: the ladder with the cost-aware stop, else just N."""
         return self.tree.ladder if self.tree.stop else (self.tree.budget,)
 
+    def stop_verify_cost(self, context):
+        """``[len(ladder)]`` verify latency (ms) of each rung at ``context`` as the cost-aware stop
+        reads it: the raw medians made non-decreasing (``CostModel.measured_verify_cost``) for a
+        deterministic tree, whose stop compares every rung exactly; the convex fit for sampled
+        children, whose stopping-time rule needs it (``choose_verify_size``)."""
+        cost = self.cost.verify_cost if self.sampled_children else self.cost.measured_verify_cost
+        return cost(self.ladder, context)
+
 
 @struct.dataclass
 class SpecStats:
@@ -172,8 +180,8 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     context = gen.cache.capacity
     if len(ladder) > 1:
         survival = expected_accepted(tree) * active[:, None]
-        rung = choose_verify_size(survival, ladder, cfg.cost.verify_cost(ladder, context),
-                                  cfg.cost.draft_cost(context), non_anticipating=cfg.sampled_children)
+        rung = choose_verify_size(survival, ladder, cfg.stop_verify_cost(context), cfg.cost.draft_cost(context),
+                                  non_anticipating=cfg.sampled_children)
     branches = [functools.partial(_verify, model, proposer, cfg, n) for n in ladder]
     cache, acc, features, hidden = jax.lax.switch(rung, branches, tree, proposal, gen, requests, keys)
     log = state.log
@@ -193,7 +201,7 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     skip = state.skip
     if cfg.skip:
         tokens = jnp.sum(jnp.where(active, acc.n_accepted + 1, 0)) / jnp.maximum(jnp.sum(active), 1)
-        round_ms = jnp.asarray(cfg.cost.measured_round_cost(ladder, context))[rung]
+        round_ms = jnp.asarray(cfg.cost.measured_verify_cost(ladder, context))[rung] + cfg.cost.draft_cost(context)
         skip = after_draft(skip, tokens, round_ms, float(cfg.cost.step_cost(context)))
     return SpecState(gen=new_gen, proposer=proposer.update(state.proposer, committed),
                      stats=_count(state.stats, acc, active, rung, d), log=log, skip=skip)
