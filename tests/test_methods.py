@@ -69,7 +69,7 @@ def test_chain_recipes_verify_at_most_the_block_and_trees_the_budget(target64):
     d = random_drafter(target64, "dflash")
     assert speculation("dflash", target64, 32, drafter=d).tree.budget == 5
     assert speculation("dflash", target64, 3, drafter=d).tree == TreeConfig(
-        budget=3, max_depth=3, branch=1, builder="chain", verify="match", stop=False)
+        budget=3, max_depth=3, branch=1, builder="chain", verify="match", stop=False, skip=True)
     tree = speculation("ddtree", target64, 32, drafter=d).tree
     assert (tree.budget, tree.max_depth, tree.builder, tree.stop) == (32, 5, "marginal", False)
     tree = speculation("ddtree", target64, 32, drafter=d, builder="treespark", verify="rejection").tree
@@ -99,6 +99,14 @@ def test_dspark_chain_scores_nodes_by_the_confidence_head(target64):
         assert int(tree.tokens[0, j]) == token
         np.testing.assert_allclose(float(tree.score[0, j]), score, rtol=1e-9)
         parent = token
+
+
+def test_every_drafting_method_skips_drafting_unless_told_not_to(target64):
+    for method in ("prompt_lookup", "dflash", "treespark"):
+        drafter = None if method == "prompt_lookup" else random_drafter(target64, method)
+        assert speculation(method, target64, 8, drafter=drafter).tree.skip is True
+        assert speculation(method, target64, 8, drafter=drafter, skip=False).tree.skip is False
+    assert speculation("ar", target64) is None and speculation("ar", target64, skip=False) is None
 
 
 @pytest.mark.parametrize("method, kwargs, message", [

@@ -112,7 +112,7 @@ class TreeSpark:
         return default_method(self.target.name)
 
     def speculation(self, method: str, budget: int = DEFAULT_BUDGET, *, drafter: str | BlockDrafter | None = None,
-                    builder: str | None = None, verify: str | None = None, skip: bool = False
+                    builder: str | None = None, verify: str | None = None, skip: bool | None = None
                     ) -> Speculation | None:
         """The engine settings of ``method`` (see ``methods.speculation``; ``drafter`` as in ``drafter``)."""
         return speculation(method, self.target.model, budget, drafter=self.drafter(method, drafter),
@@ -128,7 +128,7 @@ class TreeSpark:
     def generate(self, prompt: str | list[str], *, chat: bool = False, max_new_tokens: int = 128,
                  temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str | None = None,
                  budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
-                 builder: str | None = None, verify: str | None = None, skip: bool = False
+                 builder: str | None = None, verify: str | None = None, skip: bool | None = None
                  ) -> GenerationResult | list[GenerationResult]:
         """Generates a reply for one prompt or a batch.
 
@@ -146,7 +146,7 @@ class TreeSpark:
           builder: overrides the method's tree builder (ablations).
           verify: overrides the method's verify rule at temp > 0 (ablations).
           skip: draft skipping: plain target steps while recent drafting did not pay
-            (``decode/skip.py``; lossless).
+            (``decode/skip.py``; lossless); ``None`` means on for every drafting method.
 
         Returns:
           A ``GenerationResult`` (a list of them for a list of prompts).
@@ -166,7 +166,7 @@ class TreeSpark:
     def stream(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
                temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str | None = None,
                budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
-               builder: str | None = None, verify: str | None = None, skip: bool = False) -> Iterator[str]:
+               builder: str | None = None, verify: str | None = None, skip: bool | None = None) -> Iterator[str]:
         """Yields the reply's text as it is committed (only complete UTF-8 characters); arguments
         as in ``generate``."""
         spec = self.speculation(method or self.default_method, budget, drafter=drafter, builder=builder,

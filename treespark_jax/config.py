@@ -93,8 +93,9 @@ class TreeConfig:
         §1.5); ``None`` means on for the ``treespark`` builder and off (always verify all N)
         for the others.
       skip: skip drafting for a few rounds when recent drafted rounds committed tokens more
-        slowly than target steps would (``decode/skip.py``; lossless). Off by default
-        (docs/cost_model.md gives the measurements behind that).
+        slowly than target steps would (``decode/skip.py``; lossless). Off in a bare
+        ``TreeConfig``; the method registry turns it on for every drafting method
+        (``methods.speculation``; docs/cost_model.md gives the measurements behind that).
 
     Raises:
       ValueError: on a non-positive budget/depth/branch, an unknown builder or rule, or a ladder

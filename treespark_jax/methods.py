@@ -13,7 +13,8 @@ Names follow the literature (DESIGN.md §4) so a row means what readers expect:
 | ``treespark`` | drafter with edge head, ``treespark`` loss | treespark | rejection | yes (edge head) |
 
 Draft skipping (``decode/skip.py``: plain target steps while recent drafted rounds did not pay)
-is an option of every drafting method, off by default. Greedy decoding (temp 0) always
+is on by default for every drafting method (docs/cost_model.md has the measurements); a bare
+``TreeConfig`` leaves it off. Greedy decoding (temp 0) always
 verifies with the greedy rule. ``builder`` and ``verify``
 override a recipe's parts for ablations (the ``treespark`` builder always brings its cost-aware
 stop); the drafter is passed by the caller (``api.load``
@@ -111,7 +112,7 @@ def check_budget(budget: int) -> None:
 
 def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
                 drafter: BlockDrafter | None = None, builder: str | None = None,
-                verify: str | None = None, skip: bool = False) -> Speculation | None:
+                verify: str | None = None, skip: bool | None = None) -> Speculation | None:
     """The speculative settings of ``method`` (``None`` for plain autoregressive decoding).
 
     Args:
@@ -121,7 +122,7 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
       drafter: the block drafter, required by the methods in ``DRAFTER_METHODS``.
       builder: overrides the recipe's builder (``config.BUILDERS``).
       verify: overrides the recipe's verify rule at temp > 0 (``config.VERIFY_RULES``).
-      skip: draft skipping (``TreeConfig.skip``).
+      skip: draft skipping (``TreeConfig.skip``); ``None`` means on for every drafting method.
 
     Raises:
       ValueError: unknown method, builder or rule; a budget outside 1..MAX_BUDGET; a drafter method without
@@ -137,6 +138,7 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
         if builder or verify or skip or drafter is not None:
             raise ValueError("method 'ar' drafts nothing; drop the drafter, builder, verify and skip options.")
         return None
+    skip = True if skip is None else skip
     builder, verify = builder or r.builder, verify or r.verify
     if r.proposer == "prompt_lookup":
         # Prompt lookup drafts one chain whatever the builder: its proposal has a single candidate.

@@ -119,7 +119,7 @@ def map_count_shortfall(rows: int) -> str | None:
 def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[str], budgets: Sequence[int], *,
             temp: float = 0.0, max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
             drafters: Mapping[str, str] | None = None, builder: str | None = None, verify: str | None = None,
-            skip: bool = False, progress: Callable[[str], None] | None = None) -> list[dict]:
+            skip: bool | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
     """Benchmarks ``methods`` at each of ``budgets`` against AR on ``prompts``, at batch 1.
 
     Args:
@@ -135,7 +135,8 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
       drafters: drafter per method (checkpoint path or ``"random"``); default the shipped ones.
       builder, verify: override the tree builder / verify rule of every drafter method (ablations
         on a fixed drafter); ``None`` keeps each recipe's.
-      skip: draft skipping for every speculative method (``TreeConfig.skip``).
+      skip: draft skipping for every speculative method (``TreeConfig.skip``); ``None`` is each
+        method's default (on).
       progress: called with a short line after each prompt of each repeat.
 
     Returns:

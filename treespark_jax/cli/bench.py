@@ -42,10 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="override the tree builder of every drafter method (ablation on a fixed drafter)")
     b.add_argument("--verify", default=None, choices=VERIFY_RULES,
                    help="override the verify rule at temp > 0 of every drafter method")
-    b.add_argument("--skip-drafting", action="store_true",
+    b.add_argument("--skip-drafting", action=argparse.BooleanOptionalAction, default=None,
                    help="every speculative method runs plain target steps instead of drafting while recent "
                         "drafted rounds committed tokens more slowly than target steps would (lossless; "
-                        "docs/cost_model.md)")
+                        "docs/cost_model.md); on by default")
     b.add_argument("--json-out", default=None, metavar="FILE", help="also write protocol and rows as JSON")
 
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
                     "prompt_ids": [r.id for r in records], "max_new_tokens": args.max_new_tokens,
                     "repeats": args.repeats, "temp": args.temp, "seed": args.seed, "batch": 1,
                     "dtype": args.dtype, "drafters": drafters or "shipped", "builder": args.builder,
-                    "verify": args.verify, "skip_drafting": args.skip_drafting}
+                    "verify": args.verify, "skip_drafting": args.skip_drafting is not False}
         machine = {"device": current_device_kind(), "processor": platform.processor() or platform.machine(),
                    "cpu_count": os.cpu_count(), "jax": jax.__version__,
                    "python": platform.python_version()}

@@ -34,9 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--builder", default=None, choices=BUILDERS, help="override the method's tree builder")
     gen.add_argument("--verify", default=None, choices=VERIFY_RULES,
                      help="override the method's verify rule at temp > 0")
-    gen.add_argument("--skip-drafting", action="store_true",
+    gen.add_argument("--skip-drafting", action=argparse.BooleanOptionalAction, default=None,
                      help="run plain target steps instead of drafting while recent drafted rounds committed tokens more "
-                          "slowly than target steps would (lossless; docs/cost_model.md)")
+                          "slowly than target steps would (lossless; docs/cost_model.md); on by default for "
+                          "every drafting method")
     gen.add_argument("--mesh", default=None, metavar="data=N,model=M",
                      help="devices per mesh axis, e.g. data=2,model=4: rows over data, the target's heads "
                           "and MLP width over model (default: every local device on data)")
