@@ -1,13 +1,15 @@
 """Draft skipping on or off, on prompts outside the evaluation split: AR and treespark side by side.
 
-The evidence behind the default of ``TreeConfig.skip`` (docs/cost_model.md). For every prompt,
-in one process and interleaved: greedy AR, then treespark at one budget with
+The evidence behind the defaults of draft skipping (on for every drafting method) and of the
+stop's cost table (docs/cost_model.md). For every prompt, in one process and interleaved: greedy
+AR, then treespark at one budget with
 
-- ``no skip``: the default round (the cost-aware stop on the fitted, convex cost table);
-- ``skip``: draft skipping on (``decode/skip.py``);
-- ``skip, monotone stop``: skipping, with the stop reading the profile's raw medians made
-  non-decreasing (in rows, then over contexts) instead of the convex fit; an ablation of the
-  fit, which overstates the smallest rungs on CPU.
+- ``convex stop, no skip``: the cost-aware stop reading the fitted, convex verify table and no
+  draft skipping (the defaults before both changes);
+- ``no skip``: the stop reading the profile's raw medians made non-decreasing
+  (``CostModel.measured_verify_cost``), which the convex fit overstates at the smallest rungs on
+  CPU, and no draft skipping;
+- ``skip (default)``: that stop with draft skipping on (``decode/skip.py``).
 
 Every variant's greedy output must equal AR's (asserted). Speedup is AR's decode seconds per
 token over the variant's (prefill excluded); the table gives the median over prompts, the
@@ -38,16 +40,15 @@ from treespark_jax.train.prompts import load_prompts, prompt_ids
 FIRST = {"gsm8k": 192, "humaneval": 0, "mtbench": 0}  # where each set's window of training prompts starts
 
 
-def monotone_table(cost: CostModel) -> CostModel:
-    """``cost`` with its verify table replaced by the raw medians made non-decreasing
-    (``CostModel.monotone_verify_ms``, the table the skip controller prices rounds with).
+def convex_table(cost: CostModel) -> CostModel:
+    """``cost`` without its raw verify medians, so the stop (and skipping) read the convex fit.
 
     Raises:
-      SystemExit: if ``cost`` has no raw medians (the variant would repeat ``skip``).
+      SystemExit: if ``cost`` has no raw medians (the variant would repeat ``no skip``).
     """
     if cost.measured_verify_ms is None:
         raise SystemExit("the cost model has no raw verify medians; re-run `treespark profile`.")
-    return dataclasses.replace(cost, verify_ms=cost.monotone_verify_ms())
+    return dataclasses.replace(cost, measured_verify_ms=None)
 
 
 def main() -> None:
@@ -62,10 +63,10 @@ def main() -> None:
     args = parser.parse_args()
 
     lm = load(args.preset)
-    engine, fitted = lm.engine, lm.engine.cost
-    variants = {"no skip": (fitted, lm.speculation("treespark", args.budget, skip=False)),
-                "skip": (fitted, lm.speculation("treespark", args.budget, skip=True)),
-                "skip, monotone stop": (monotone_table(fitted), lm.speculation("treespark", args.budget, skip=True))}
+    engine, measured = lm.engine, lm.engine.cost
+    variants = {"convex stop, no skip": (convex_table(measured), lm.speculation("treespark", args.budget, skip=False)),
+                "no skip": (measured, lm.speculation("treespark", args.budget, skip=False)),
+                "skip (default)": (measured, lm.speculation("treespark", args.budget))}
     n = args.max_new_tokens
     windows = {}
     for name in args.sets.split(","):
@@ -76,7 +77,7 @@ def main() -> None:
     result = {"args": vars(args), "sets": {}}
     for name, prompts in windows.items():
         start = FIRST[name] + args.offset
-        engine.cost = fitted
+        engine.cost = measured
         engine.generate([prompts[0]], n)  # compile every program outside the timings
         for cost, spec in variants.values():
             engine.cost = cost

@@ -387,8 +387,7 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme
           "excluded); the median over prompts × passes, ± its inter-quartile range as the noise. τ = committed "
           "tokens per drafted round (a target forward over a drafted tree), bonus included, pooled over all "
           "rounds; skipped = the share of rounds that skipped the drafter and ran a plain target step "
-          "(docs/cost_model.md, not counted in τ; draft skipping is off by default, so 0 %, and — in rows measured "
-          "before the column existed); α_j = acceptance at depth j given depth j − 1. Greedy = AR: every output identical to AR's (divergences at near-ties are counted).",
+          "(docs/cost_model.md, not counted in τ; on by default for every drafting method; — for AR); α_j = acceptance at depth j given depth j − 1. Greedy = AR: every output identical to AR's (divergences at near-ties are counted).",
           "- This is a reduced CPU protocol (DESIGN.md §4 asks for 32 prompts, 128 tokens, budgets {4, 8, 16, 32} "
           "and three repeats, which take many hours on this machine); the same script runs the full protocol "
           "with the flags in its docstring.", ""]
@@ -404,7 +403,7 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme
            table(ablation["rows"], with_builder=True) if ablation["rows"] else missing, "",
            "Each builder on the same drafter, measured in its own pass; the `treespark` row repeats the main "
            "table's configuration (τ is the same; the speedup is a second measurement of it). Only the "
-           "`treespark` builder uses the cost-aware stop and draft skipping.", "", "## Loss-term ablation", "",
+           "`treespark` builder uses the cost-aware stop; every builder skips drafting while it does not pay.", "", "## Loss-term ablation", "",
            loss_ablation(data) or "Not run yet: `experiments/train_drafters.sh ablate` makes it.", "",
            "## Reproduction", "", *reproduction(out)]
     text = "\n".join(md)
