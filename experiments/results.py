@@ -98,10 +98,13 @@ def verdicts(rows: list[dict], budgets: list[int]) -> list[str]:
                    "above 1, but within half its IQR of 1: not a clear speedup" if best["speedup"] > 1 else "not above 1")
         out.append(f"treespark's best speedup over AR: {best['speedup']:.2f} ± {best['speedup_iqr']:.2f} "
                    f"at budget {best['budget']} ({verdict})")
-    fastest = max((r for r in rows if r["budget"] is not None), key=lambda r: r["speedup"], default=None)
+    drafted = [r for r in rows if r["budget"] is not None]
+    fastest = max(drafted, key=lambda r: r["speedup"], default=None)
     if fastest and fastest["method"] != "treespark":
         out.append(f"fastest row: {fastest['method']} at budget {fastest['budget']}, "
                    f"{fastest['speedup']:.2f} ± {fastest['speedup_iqr']:.2f}")
+    if drafted and not any(r.get("skip") for r in drafted):
+        out.append("measured with draft skipping off, before it became the default of every drafting method")
     return out
 
 
@@ -215,8 +218,8 @@ def _measure_one(args, job: str, out: Path) -> None:
         (out / "ablation-builders.json").write_text(json.dumps({"set": name, "rows": rows}, indent=2))
 
 
-def _run_jobs(args, jobs: list[str], out: Path) -> None:
-    """Each job in its own process. A table keeps every (method, budget)'s programs alive to
+def _run_jobs(args, jobs: list[str], out: Path) -> dict[str, float]:
+    """Each job in its own process; returns the minutes each job took. A table keeps every (method, budget)'s programs alive to
     interleave them, and XLA's CPU backend maps thousands of memory regions per (method, budget)
     (``bench.compare.MAPS_PER_ROW``): one temp-1 table alone passed Linux's default of 65,530 maps
     per process and died in LLVM's code allocator.
@@ -227,9 +230,13 @@ def _run_jobs(args, jobs: list[str], out: Path) -> None:
     if shortfall := map_count_shortfall(1 + (len(METHODS) - 1) * len(args.budgets.split(","))):
         raise SystemExit(shortfall)
     protocol = [f"--{k.replace('_', '-')}={vars(args)[k]}" for k in PROTOCOL]
+    minutes = {}
     for job in jobs:
         _log(f"== {job}")
+        started = time.time()
         subprocess.run([sys.executable, __file__, *protocol, f"--out={out}", f"--only={job}"], check=True)
+        minutes[job] = (time.time() - started) / 60
+    return minutes
 
 
 def _log(line: str) -> None:
@@ -238,17 +245,18 @@ def _log(line: str) -> None:
 
 def measure(args, sets, temps, out: Path) -> None:
     """Runs every benchmark and writes the JSON rows under ``out``."""
-    started, clock = time.time(), _cpu_clock()
-    _run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps] + [f"builders:{sets[0]}"], out)
-    meta = {"minutes": (time.time() - started) / 60, "machine": _machine(), "args": vars(args),
+    clock = _cpu_clock()
+    jobs = _run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps] + [f"builders:{sets[0]}"], out)
+    meta = {"jobs": jobs, "machine": _machine(), "args": vars(args),
             "others_cpu": [_others_share(clock, _cpu_clock())], "date": time.strftime("%Y-%m-%d")}
     if (out / "meta.json").is_file():  # runs over other sets or temperatures add up on one page
         old = json.loads((out / "meta.json").read_text())
         if all(old["args"][k] == meta["args"][k] for k in PROTOCOL):
             for k in ("sets", "temps"):
                 meta["args"][k] = ",".join(dict.fromkeys(old["args"][k].split(",") + meta["args"][k].split(",")))
-            meta["minutes"] += old["minutes"]
+            meta["jobs"] = {**old.get("jobs", {}), **jobs}  # a table measured again replaces its time
             meta["others_cpu"] = [*old.get("others_cpu", []), *meta["others_cpu"]]
+    meta["minutes"] = sum(meta["jobs"].values())
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     if (out / "reproduction.json").is_file():  # a verdict on a table measured again no longer holds
         _write_checked_rows(out, _checked_rows(out, drop=[(s, t) for s in sets for t in temps]))

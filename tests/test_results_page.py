@@ -38,7 +38,7 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     out = tmp_path / "results"
     out.mkdir()
     rows = [_row("ar", None, 1.0, 1.0, 0.0), _row("dspark", 4, 1.7, 1.05, 0.1), _row("ddtree", 4, 1.95, 0.9, 0.1),
-            _row("treespark", 4, 1.9, 1.2, 0.1) | {"skipped": 0.25}]
+            _row("treespark", 4, 1.9, 1.2, 0.1) | {"skipped": 0.25, "skip": True}]
     (out / "bench-gsm8k-t0.json").write_text(json.dumps(rows))
     args = {"sets": "gsm8k", "temps": "0", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1}
     (out / "meta.json").write_text(json.dumps({"minutes": 3.0, "machine": "cpu (x86_64, 2 cores)", "args": args,
@@ -57,6 +57,9 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     assert "fastest row" not in md  # treespark is the fastest here
     faster = results.verdicts(rows + [_row("dspark", 8, 1.7, 1.3, 0.2)], [4, 8])
     assert faster[-1] == "fastest row: dspark at budget 8, 1.30 ± 0.20"
+    assert "draft skipping off" not in md
+    unskipped = results.verdicts([dict(r, skip=False) for r in rows], [4])
+    assert unskipped[-1] == "measured with draft skipping off, before it became the default of every drafting method"
     assert "| treespark | 4 | 1.90 | 1.20 ± 0.10 | 30.0 | 25% |" in md and "| ar | — | 1.00 | 1.00 ± 0.00 | 30.0 | — |" in md
     assert "4 of 4 rows reproduced within the stated noise" in md
     assert "other processes used 2 % of the" in md
@@ -123,6 +126,11 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(results, tmp_path,
     assert "3 of 4 rows reproduced" in section
 
     # measuring a table for the page again drops its now stale verdicts, and keeps the others
-    monkeypatch.setattr(results, "_run_jobs", lambda *a: None)
+    monkeypatch.setattr(results, "_run_jobs", lambda a, jobs, where: dict.fromkeys(jobs, 2.0))
     results.measure(results.argparse.Namespace(**args | {"sets": "gsm8k", "temps": "1"}), ["gsm8k"], [1.0], out)
     assert {r["temp"] for r in json.loads((out / "reproduction.json").read_text())["rows"]} == {0.0}
+    # the page's time counts each table once: measured again, a table's minutes replace its old ones
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["jobs"] == {"bench:gsm8k:1": 2.0, "builders:gsm8k": 2.0} and meta["minutes"] == 4.0
+    results.measure(results.argparse.Namespace(**args | {"sets": "gsm8k", "temps": "0"}), ["gsm8k"], [0.0], out)
+    assert json.loads((out / "meta.json").read_text())["minutes"] == 6.0
