@@ -219,10 +219,10 @@ def _measure_one(args, job: str, out: Path) -> None:
 
 
 def _run_jobs(args, jobs: list[str], out: Path) -> dict[str, float]:
-    """Each job in its own process; returns the minutes each job took. A table keeps every (method, budget)'s programs alive to
-    interleave them, and XLA's CPU backend maps thousands of memory regions per (method, budget)
-    (``bench.compare.MAPS_PER_ROW``): one temp-1 table alone passed Linux's default of 65,530 maps
-    per process and died in LLVM's code allocator.
+    """Each job in its own process; returns the minutes each job took. A table keeps every
+    (method, budget)'s programs alive to interleave them, and XLA's CPU backend maps thousands of
+    memory regions per (method, budget) (``bench.compare.MAPS_PER_ROW``): one temp-1 table alone
+    passed Linux's default of 65,530 maps per process and died in LLVM's code allocator.
 
     Raises:
         SystemExit: ``vm.max_map_count`` is too low for one table (``bench.compare.map_count_shortfall``).
