@@ -52,16 +52,18 @@ def test_bench_rows_are_greedy_equal_and_compile_once_per_budget(tiny_dir, promp
     assert depth and all(a is None or 0.0 <= a <= 1.0 for a in depth)
 
 
-@pytest.mark.parametrize("flags, skip", [((), True), (("--no-skip-drafting",), False)])
-def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path, flags, skip):
+@pytest.mark.parametrize("flags, skip, stop", [((), True, True), (("--no-skip-drafting",), False, True),
+                                               (("--no-cost-aware-stop",), True, False)])
+def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path, flags, skip, stop):
     out = tmp_path / "bench.json"
     assert _bench(tiny_dir, prompt_file, out, "--methods", "ar,dspark", "--budgets", "4", "--temp", "1",
                   "--drafter", "dspark=random", "--builder", "treespark", *flags) == 0
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [r["greedy_equal"] for r in rows] == [None, None] and rows[1]["temp"] == 1.0
-    assert (rows[1]["builder"], rows[1]["verify"], rows[1]["stop"]) == ("treespark", "rejection", True)
+    assert (rows[1]["builder"], rows[1]["verify"], rows[1]["stop"]) == ("treespark", "rejection", stop)
     assert rows[1]["skip"] is skip and report["protocol"]["skip_drafting"] is skip
+    assert report["protocol"]["cost_aware_stop"] is (None if stop else False)
     assert 0.0 <= rows[1]["skipped"] <= (1.0 if skip else 0.0) and rows[0]["skipped"] == 0.0
 
 

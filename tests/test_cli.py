@@ -78,6 +78,11 @@ def test_drafter_method_with_a_saved_drafter_matches_greedy_ar(preset, capsys, t
     assert main(args + ["--method", "treespark", "--drafter", "random", "--no-skip-drafting"]) == 0
     drafting = json.loads(capsys.readouterr().out)
     assert drafting["token_ids"] == ar["token_ids"] and drafting["stats"]["skipped_rounds"] == 0
+    assert len(drafting["stats"]["rung_rounds"]) > 1  # the cost-aware stop's ladder
+    flags = ["--no-skip-drafting", "--no-cost-aware-stop"]
+    assert main(args + ["--method", "treespark", "--drafter", "random", *flags]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["token_ids"] == ar["token_ids"] and len(whole["stats"]["rung_rounds"]) == 1
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -109,11 +109,28 @@ def test_every_drafting_method_skips_drafting_unless_told_not_to(target64):
     assert speculation("ar", target64) is None and speculation("ar", target64, skip=False) is None
 
 
+def test_the_cost_aware_stop_follows_the_recipe_unless_overridden(target64, ar_reference):
+    drafters = {m: random_drafter(target64, m) for m in ("dflash", "dspark", "ddtree", "treespark")}
+    default = {m: speculation(m, target64, 8, drafter=d).tree.stop for m, d in drafters.items()}
+    assert default == {"dflash": False, "dspark": True, "ddtree": False, "treespark": True}
+    assert not any(speculation(m, target64, 8, drafter=d, stop=False).tree.stop for m, d in drafters.items())
+    assert speculation("ddtree", target64, 8, drafter=drafters["ddtree"], stop=True).tree.stop is True
+    assert speculation("treespark", target64, 1, drafter=drafters["treespark"], stop=True).tree.stop is False  # N = 1
+    assert speculation("prompt_lookup", target64, 8, stop=False).tree.stop is False
+    # Without the stop every round verifies the whole budget; greedy output stays AR's.
+    spec = speculation("treespark", target64, 12, drafter=drafters["treespark"], stop=False, skip=False)
+    ids, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40, spec=spec)
+    assert ids == ar_reference and stats.skipped_rounds == 0
+    assert len(stats.rung_rounds) == 1 and stats.rung_rounds[0] > 0  # one rung: the whole budget
+
+
 @pytest.mark.parametrize("method, kwargs, message", [
     ("beam", {}, "method 'beam' is unknown"),
     ("treespark", {}, "needs a trained block drafter"),
     ("ar", {"builder": "chain"}, "method 'ar' drafts nothing"),
-    ("ar", {"skip": True}, "drop the drafter, builder, verify and skip options"),
+    ("ar", {"skip": True}, "drop the drafter, builder, verify, skip and stop options"),
+    ("ar", {"stop": True}, "drop the drafter, builder, verify, skip and stop options"),
+    ("prompt_lookup", {"stop": True}, "'prompt_lookup' has no draft probabilities for the cost-aware stop"),
     ("prompt_lookup", {"budget": 0}, "budget=0 must be between 1 and 1024"),
     ("prompt_lookup", {"budget": 1025}, "budget=1025 must be between 1 and 1024"),
 ])

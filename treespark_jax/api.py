@@ -112,11 +112,11 @@ class TreeSpark:
         return default_method(self.target.name)
 
     def speculation(self, method: str, budget: int = DEFAULT_BUDGET, *, drafter: str | BlockDrafter | None = None,
-                    builder: str | None = None, verify: str | None = None, skip: bool | None = None
-                    ) -> Speculation | None:
+                    builder: str | None = None, verify: str | None = None, skip: bool | None = None,
+                    stop: bool | None = None) -> Speculation | None:
         """The engine settings of ``method`` (see ``methods.speculation``; ``drafter`` as in ``drafter``)."""
         return speculation(method, self.target.model, budget, drafter=self.drafter(method, drafter),
-                           builder=builder, verify=verify, skip=skip)
+                           builder=builder, verify=verify, skip=skip, stop=stop)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids for ``prompt``: raw text, or one user turn through the chat template."""
@@ -128,8 +128,8 @@ class TreeSpark:
     def generate(self, prompt: str | list[str], *, chat: bool = False, max_new_tokens: int = 128,
                  temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str | None = None,
                  budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
-                 builder: str | None = None, verify: str | None = None, skip: bool | None = None
-                 ) -> GenerationResult | list[GenerationResult]:
+                 builder: str | None = None, verify: str | None = None, skip: bool | None = None,
+                 stop: bool | None = None) -> GenerationResult | list[GenerationResult]:
         """Generates a reply for one prompt or a batch.
 
         Args:
@@ -147,6 +147,8 @@ class TreeSpark:
           verify: overrides the method's verify rule at temp > 0 (ablations).
           skip: draft skipping: plain target steps while recent drafting did not pay
             (``decode/skip.py``; lossless); ``None`` means on for every drafting method.
+          stop: the cost-aware stop (see ``methods.speculation``); ``None`` keeps the method's,
+            ``False`` verifies the whole budget every round.
 
         Returns:
           A ``GenerationResult`` (a list of them for a list of prompts).
@@ -155,7 +157,7 @@ class TreeSpark:
           ValueError: unknown method, missing drafter or invalid request (one sentence naming the value).
         """
         spec = self.speculation(method or self.default_method, budget, drafter=drafter, builder=builder,
-                                verify=verify, skip=skip)
+                                verify=verify, skip=skip, stop=stop)
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
         ids = [self.encode_prompt(t, chat) for t in texts]
         out, stats = self.engine.generate(ids, max_new_tokens, temp, top_p, seed, spec)
@@ -166,11 +168,12 @@ class TreeSpark:
     def stream(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
                temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str | None = None,
                budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
-               builder: str | None = None, verify: str | None = None, skip: bool | None = None) -> Iterator[str]:
+               builder: str | None = None, verify: str | None = None, skip: bool | None = None,
+               stop: bool | None = None) -> Iterator[str]:
         """Yields the reply's text as it is committed (only complete UTF-8 characters); arguments
         as in ``generate``."""
         spec = self.speculation(method or self.default_method, budget, drafter=drafter, builder=builder,
-                                verify=verify, skip=skip)
+                                verify=verify, skip=skip, stop=stop)
         decoder = StreamDecoder(self.tokenizer)
         prompt_ids = self.encode_prompt(prompt, chat)
         for ids in self.engine.stream(prompt_ids, max_new_tokens, temp, top_p, seed, spec):

@@ -15,9 +15,9 @@ Names follow the literature (DESIGN.md §4) so a row means what readers expect:
 Draft skipping (``decode/skip.py``: plain target steps while recent drafted rounds did not pay)
 is on by default for every drafting method (docs/cost_model.md has the measurements); a bare
 ``TreeConfig`` leaves it off. Greedy decoding (temp 0) always
-verifies with the greedy rule. ``builder`` and ``verify``
-override a recipe's parts for ablations (the ``treespark`` builder always brings its cost-aware
-stop); the drafter is passed by the caller (``api.load``
+verifies with the greedy rule. ``builder``, ``verify`` and ``stop``
+override a recipe's parts for ablations (the ``treespark`` builder brings its cost-aware
+stop unless ``stop=False``); the drafter is passed by the caller (``api.load``
 resolves ``--drafter PATH``).
 """
 
@@ -112,7 +112,8 @@ def check_budget(budget: int) -> None:
 
 def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
                 drafter: BlockDrafter | None = None, builder: str | None = None,
-                verify: str | None = None, skip: bool | None = None) -> Speculation | None:
+                verify: str | None = None, skip: bool | None = None,
+                stop: bool | None = None) -> Speculation | None:
     """The speculative settings of ``method`` (``None`` for plain autoregressive decoding).
 
     Args:
@@ -123,10 +124,14 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
       builder: overrides the recipe's builder (``config.BUILDERS``).
       verify: overrides the recipe's verify rule at temp > 0 (``config.VERIFY_RULES``).
       skip: draft skipping (``TreeConfig.skip``); ``None`` means on for every drafting method.
+      stop: the cost-aware stop of a block-drafter method (``TreeConfig.stop``); ``None`` keeps the
+        recipe's (on for ``dspark`` and ``treespark``), ``False`` verifies all N nodes every round
+        (τ at equal budget), ``True`` adds the stop to any builder (ablations).
 
     Raises:
       ValueError: unknown method, builder or rule; a budget outside 1..MAX_BUDGET; a drafter method without
-        a drafter; or overrides (or ``skip``) given for ``ar``.
+        a drafter; overrides (or ``skip``, or ``stop``) given for ``ar``; ``stop=True`` for
+        ``prompt_lookup``, which has no draft probabilities to stop on.
     """
     from treespark_jax.decode.engine import Speculation
     from treespark_jax.drafter.block_proposer import BlockProposer
@@ -135,12 +140,14 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     r = recipe(method)
     check_budget(budget)
     if r.proposer is None:
-        if builder or verify or skip or drafter is not None:
-            raise ValueError("method 'ar' drafts nothing; drop the drafter, builder, verify and skip options.")
+        if builder or verify or skip or stop or drafter is not None:
+            raise ValueError("method 'ar' drafts nothing; drop the drafter, builder, verify, skip and stop options.")
         return None
     skip = True if skip is None else skip
     builder, verify = builder or r.builder, verify or r.verify
     if r.proposer == "prompt_lookup":
+        if stop:
+            raise ValueError("method 'prompt_lookup' has no draft probabilities for the cost-aware stop; drop stop.")
         # Prompt lookup drafts one chain whatever the builder: its proposal has a single candidate.
         return Speculation(PromptLookup(target.cfg.vocab_size, block_size=budget),
                            TreeConfig(budget=budget, max_depth=budget, branch=1, builder=builder, verify=verify,
@@ -151,6 +158,7 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     gamma = drafter.cfg.block_size
     chain = builder == "chain"
     n = min(budget, gamma) if chain else budget
+    stop = (r.stop or builder == "treespark") if stop is None else stop
     tree = TreeConfig(budget=n, max_depth=min(n, gamma), branch=1 if chain else TREE_BRANCH,
-                      builder=builder, verify=verify, stop=(r.stop or builder == "treespark") and n > 1, skip=skip)
+                      builder=builder, verify=verify, stop=stop and n > 1, skip=skip)
     return Speculation(BlockProposer.create(drafter, target, depth=tree.max_depth), tree)

@@ -119,7 +119,8 @@ def map_count_shortfall(rows: int) -> str | None:
 def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[str], budgets: Sequence[int], *,
             temp: float = 0.0, max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
             drafters: Mapping[str, str] | None = None, builder: str | None = None, verify: str | None = None,
-            skip: bool | None = None, progress: Callable[[str], None] | None = None) -> list[dict]:
+            skip: bool | None = None, stop: bool | None = None,
+            progress: Callable[[str], None] | None = None) -> list[dict]:
     """Benchmarks ``methods`` at each of ``budgets`` against AR on ``prompts``, at batch 1.
 
     Args:
@@ -137,6 +138,8 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
         on a fixed drafter); ``None`` keeps each recipe's.
       skip: draft skipping for every speculative method (``TreeConfig.skip``); ``None`` is each
         method's default (on).
+      stop: the cost-aware stop of every drafter method (``methods.speculation``); ``None`` keeps
+        each recipe's, ``False`` makes every row verify its whole budget (τ at equal budget).
       progress: called with a short line after each prompt of each repeat.
 
     Returns:
@@ -163,7 +166,7 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
         for b in budgets:
             specs[(m, b)] = lm.speculation(m, b, drafter=drafters.get(m) if block else None,
                                            builder=builder if block else None, verify=verify if block else None,
-                                           skip=skip)
+                                           skip=skip, stop=stop if block else None)
     if shortfall := map_count_shortfall(len(specs) + 1):
         warnings.warn(shortfall, stacklevel=2)
     engine = lm.engine

@@ -9,8 +9,7 @@ import platform
 import sys
 from pathlib import Path
 
-from treespark_jax.cli.common import add_target_args, check_out_file, target_name
-from treespark_jax.config import BUILDERS, VERIFY_RULES
+from treespark_jax.cli.common import add_override_args, add_target_args, check_out_file, target_name
 from treespark_jax.methods import DRAFTER_METHODS, METHODS
 
 ALL_METHODS = ",".join(METHODS)
@@ -38,14 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     b.add_argument("--drafter", action="append", default=[], metavar="METHOD=PATH",
                    help="drafter checkpoint for one method (repeatable; default the shipped drafters)")
-    b.add_argument("--builder", default=None, choices=BUILDERS,
-                   help="override the tree builder of every drafter method (ablation on a fixed drafter)")
-    b.add_argument("--verify", default=None, choices=VERIFY_RULES,
-                   help="override the verify rule at temp > 0 of every drafter method")
-    b.add_argument("--skip-drafting", action=argparse.BooleanOptionalAction, default=None,
-                   help="every speculative method runs plain target steps instead of drafting while recent "
-                        "drafted rounds committed tokens more slowly than target steps would (lossless; "
-                        "docs/cost_model.md); on by default")
+    add_override_args(b, "every drafter method's")
     b.add_argument("--json-out", default=None, metavar="FILE", help="also write protocol and rows as JSON")
 
 
@@ -118,7 +110,8 @@ def run(args: argparse.Namespace) -> None:
     prompts = [prompt_ids(lm.tokenizer, r) for r in records]
     rows = compare(lm, prompts, methods, budgets, temp=args.temp, max_new_tokens=args.max_new_tokens,
                    repeats=args.repeats, seed=args.seed, drafters=drafters,
-                   builder=args.builder, verify=args.verify, skip=args.skip_drafting, progress=lambda line: print(line, file=sys.stderr, flush=True))
+                   builder=args.builder, verify=args.verify, skip=args.skip_drafting, stop=args.cost_aware_stop,
+                   progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"{lm.target.name}: {len(prompts)} prompts of {args.prompts}{f' ({split})' if split else ''} x "
           f"{args.repeats} repeats, {args.max_new_tokens} new tokens, temp {args.temp}, batch 1 "
           "(speedup: median over prompts x repeats, ± IQR)")
@@ -130,7 +123,8 @@ def run(args: argparse.Namespace) -> None:
                     "prompt_ids": [r.id for r in records], "max_new_tokens": args.max_new_tokens,
                     "repeats": args.repeats, "temp": args.temp, "seed": args.seed, "batch": 1,
                     "dtype": args.dtype, "drafters": drafters or "shipped", "builder": args.builder,
-                    "verify": args.verify, "skip_drafting": args.skip_drafting is not False}
+                    "verify": args.verify, "skip_drafting": args.skip_drafting is not False,
+                    "cost_aware_stop": args.cost_aware_stop}
         machine = {"device": current_device_kind(), "processor": platform.processor() or platform.machine(),
                    "cpu_count": os.cpu_count(), "jax": jax.__version__,
                    "python": platform.python_version()}

@@ -1,11 +1,12 @@
 """Flags shared by the commands that load a target (``--preset`` or ``--target``, and ``--dtype``),
-and the check of an output file flag."""
+the decoding overrides of ``generate`` and ``bench``, and the check of an output file flag."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from treespark_jax.config import BUILDERS, VERIFY_RULES
 from treespark_jax.models.presets import DEFAULT_PRESET, PRESETS
 
 
@@ -18,6 +19,21 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                        help="a GGUF file or a Hugging Face directory (config.json + *.safetensors)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"),
                    help="compute dtype (float32 on CPU, bfloat16 on GPU/TPU)")
+
+
+def add_override_args(p: argparse.ArgumentParser, whose: str) -> None:
+    """Adds ``--builder``, ``--verify``, ``--skip-drafting`` and ``--cost-aware-stop`` to ``p``
+    (``methods.speculation``'s overrides); ``whose`` names what they override in the help."""
+    p.add_argument("--builder", default=None, choices=BUILDERS, help=f"override {whose} tree builder (ablations)")
+    p.add_argument("--verify", default=None, choices=VERIFY_RULES, help=f"override {whose} verify rule at temp > 0")
+    p.add_argument("--skip-drafting", action=argparse.BooleanOptionalAction, default=None,
+                   help="run plain target steps instead of drafting while recent drafted rounds committed tokens "
+                        "more slowly than target steps would (lossless; docs/cost_model.md); on by default for "
+                        "every drafting method")
+    p.add_argument("--cost-aware-stop", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"verify only as many drafted nodes as the cost-aware stop picks (DESIGN.md §1.5); default "
+                        f"{whose} own (on for dspark and treespark); --no-cost-aware-stop verifies the whole budget "
+                        "every round, for τ at equal budget")
 
 
 def target_name(args: argparse.Namespace) -> str:

@@ -6,8 +6,7 @@ import argparse
 import json
 import sys
 
-from treespark_jax.cli.common import add_target_args, target_name
-from treespark_jax.config import BUILDERS, VERIFY_RULES
+from treespark_jax.cli.common import add_override_args, add_target_args, target_name
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, METHODS
 
 
@@ -31,13 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--drafter", default=None, metavar="PATH",
                      help=f"drafter checkpoint directory for {', '.join(DRAFTER_METHODS)} (default: the one "
                           "shipped for the preset), or 'random' (an untrained drafter, for checks)")
-    gen.add_argument("--builder", default=None, choices=BUILDERS, help="override the method's tree builder")
-    gen.add_argument("--verify", default=None, choices=VERIFY_RULES,
-                     help="override the method's verify rule at temp > 0")
-    gen.add_argument("--skip-drafting", action=argparse.BooleanOptionalAction, default=None,
-                     help="run plain target steps instead of drafting while recent drafted rounds committed tokens more "
-                          "slowly than target steps would (lossless; docs/cost_model.md); on by default for "
-                          "every drafting method")
+    add_override_args(gen, "the method's")
     gen.add_argument("--mesh", default=None, metavar="data=N,model=M",
                      help="devices per mesh axis, e.g. data=2,model=4: rows over data, the target's heads "
                           "and MLP width over model (default: every local device on data)")
@@ -66,7 +59,7 @@ def run(args: argparse.Namespace) -> None:
     request = dict(chat=args.chat, max_new_tokens=args.max_new_tokens, temp=args.temp, top_p=args.top_p,
                    seed=args.seed)
     decoding = dict(method=method, budget=args.budget, drafter=args.drafter, builder=args.builder,
-                    verify=args.verify, skip=args.skip_drafting)
+                    verify=args.verify, skip=args.skip_drafting, stop=args.cost_aware_stop)
     if args.compare_ar:
         # The first decode of a process runs slower (measured: 78 ms a treespark round against
         # 57 ms warm), which would fall on whichever method is timed first: warm both.
