@@ -52,13 +52,16 @@ from treespark_jax.train.prompts import load_prompts, prompt_ids  # noqa: E402
 
 HERE = Path(__file__).parent
 PRESET = "smollm2-135m"
+EQUAL_BUDGET_LINE = ("τ here is that of the methods as shipped (draft skipping on, the cost-aware stop on for dspark and "
+                     "treespark). τ at equal budget, with every method drafting every round and verifying its whole "
+                     "budget, is on [TAU_EQUAL_BUDGET.md](TAU_EQUAL_BUDGET.md) (`python experiments/tau_equal_budget.py`).")
 
 
-def _fmt(x, spec=".2f"):
+def fmt(x, spec=".2f"):
     return "—" if x is None else format(x, spec)
 
 
-def _equal(row) -> str:
+def greedy_cell(row) -> str:
     if row["greedy_equal"] is None:
         return "—"
     if row["greedy_equal"]:
@@ -72,24 +75,30 @@ def table(rows: list[dict], with_builder: bool = False) -> str:
             + "budget | τ | speedup ± IQR | tok/s | skipped | α₁ α₂ α₃ | greedy = AR |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        depth = " ".join(_fmt(a) for a in r["tau_per_depth"][:3]) or "—"
+        depth = " ".join(fmt(a) for a in r["tau_per_depth"][:3]) or "—"
         cells = [r["method"]] + ([r.get("builder", "—")] if with_builder else []) + [
-            _fmt(r["budget"], "d"), _fmt(r["tau"]), f"{r['speedup']:.2f} ± {r['speedup_iqr']:.2f}",
-            _fmt(r["tokens_per_s"], ".1f"), _fmt(r.get("skipped") if r["budget"] is not None else None, ".0%"),
-            depth, _equal(r)]
+            fmt(r["budget"], "d"), fmt(r["tau"]), f"{r['speedup']:.2f} ± {r['speedup_iqr']:.2f}",
+            fmt(r["tokens_per_s"], ".1f"), fmt(r.get("skipped") if r["budget"] is not None else None, ".0%"),
+            depth, greedy_cell(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def verdicts(rows: list[dict], budgets: list[int]) -> list[str]:
-    """The issue's comparisons, read off the rows: treespark vs dspark / ddtree τ per budget,
-    and treespark's best speedup over AR."""
+def tau_verdicts(rows: list[dict], budgets: list[int]) -> list[str]:
+    """treespark's τ against dspark's and ddtree's, per budget, read off the rows."""
     by = {(r["method"], r["budget"]): r for r in rows}
     out = []
     for other in ("dspark", "ddtree"):
         wins = [b for b in budgets if ("treespark", b) in by and (other, b) in by
                 and by[("treespark", b)]["tau"] > by[(other, b)]["tau"]]
         out.append(f"treespark τ > {other} τ at budgets {wins or 'none'} of {budgets}")
+    return out
+
+
+def verdicts(rows: list[dict], budgets: list[int]) -> list[str]:
+    """The issue's comparisons, read off the rows: treespark vs dspark / ddtree τ per budget
+    (``tau_verdicts``), and treespark's best speedup over AR."""
+    out = tau_verdicts(rows, budgets)
     ts = [r for r in rows if r["method"] == "treespark"]
     if ts:
         best = max(ts, key=lambda r: r["speedup"])
@@ -153,7 +162,7 @@ def _ablation_row(data: Path, name: str, ev: dict) -> str:
         changed = ", ".join(f"{k}={config[k]:g}" for k in TREE_TERMS if config[k] != TREE_TERMS[k]) or "—"
         if name == "shipped":
             changed += " (the run exported as the shipped drafter)"
-    return (f"| {name} | {changed} | {steps} | {ev['chain_tau']:.3f} | {_fmt(ev['tree_tau'], '.3f')} ({ev['budget']}) | "
+    return (f"| {name} | {changed} | {steps} | {ev['chain_tau']:.3f} | {fmt(ev['tree_tau'], '.3f')} ({ev['budget']}) | "
             + " ".join(f"{a:.2f}" for a in ev["alpha"][:3]) + " |")
 
 
@@ -168,7 +177,7 @@ def loss_ablation(data: Path) -> str | None:
     lines += [_ablation_row(data, name, ev) for name, ev in evals.items()]
     if "start" in evals:
         lines += [""] + [f"- {name} against start: chain τ {evals['start']['chain_tau']:.3f} → {ev['chain_tau']:.3f}, "
-                         f"tree τ {_fmt(evals['start']['tree_tau'], '.3f')} → {_fmt(ev['tree_tau'], '.3f')}"
+                         f"tree τ {fmt(evals['start']['tree_tau'], '.3f')} → {fmt(ev['tree_tau'], '.3f')}"
                          for name, ev in evals.items() if name != "start"]
     return ("Each variant: the treespark loss from the dspark drafter for the steps in its row, on the same data "
             "(`experiments/train_drafters.sh ablate`); `shipped` and `shipped_no_tree_terms` differ only in the "
@@ -177,12 +186,12 @@ def loss_ablation(data: Path) -> str | None:
             "tree of all N nodes, no cost-aware stop).\n\n" + "\n".join(lines))
 
 
-def _machine() -> str:
+def describe_machine() -> str:
     return (f"{current_device_kind()} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
             f"JAX {jax.__version__}, Python {platform.python_version()}, float32")
 
 
-def _cpu_clock() -> tuple[float, float, float] | None:
+def cpu_clock() -> tuple[float, float, float] | None:
     """(busy CPU seconds of the whole machine, CPU seconds of this process, wall seconds); None off Linux."""
     try:
         fields = Path("/proc/stat").read_text().split("\n")[0].split()[1:]
@@ -193,8 +202,8 @@ def _cpu_clock() -> tuple[float, float, float] | None:
     return busy, own.user + own.system + own.children_user + own.children_system, time.time()
 
 
-def _others_share(start, end) -> float | None:
-    """The fraction of all cores that other processes used between two ``_cpu_clock`` readings."""
+def others_share(start, end) -> float | None:
+    """The fraction of all cores that other processes used between two ``cpu_clock`` readings."""
     if start is None or end is None:
         return None
     return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / ((end[2] - start[2]) * os.cpu_count()))
@@ -209,12 +218,12 @@ def _measure_one(args, job: str, out: Path) -> None:
     prompts = [prompt_ids(lm.tokenizer, r) for r in load_prompts(name, "eval")[: args.limit]]
     if kind == "bench":
         rows = compare(lm, prompts, METHODS, budgets, temp=float(temp[0]), max_new_tokens=args.max_new_tokens,
-                       repeats=args.repeats, progress=_log)
+                       repeats=args.repeats, progress=log)
         (out / f"bench-{name}-t{float(temp[0]):g}.json").write_text(json.dumps(rows, indent=2))
     else:
         rows = [row for b in BUILDERS for row in compare(lm, prompts, ["treespark"], [max(budgets)], builder=b,
                                                          max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                                                         progress=_log)]
+                                                         progress=log)]
         (out / "ablation-builders.json").write_text(json.dumps({"set": name, "rows": rows}, indent=2))
 
 
@@ -232,23 +241,23 @@ def _run_jobs(args, jobs: list[str], out: Path) -> dict[str, float]:
     protocol = [f"--{k.replace('_', '-')}={vars(args)[k]}" for k in PROTOCOL]
     minutes = {}
     for job in jobs:
-        _log(f"== {job}")
+        log(f"== {job}")
         started = time.time()
         subprocess.run([sys.executable, __file__, *protocol, f"--out={out}", f"--only={job}"], check=True)
         minutes[job] = (time.time() - started) / 60
     return minutes
 
 
-def _log(line: str) -> None:
+def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
 def measure(args, sets, temps, out: Path) -> None:
     """Runs every benchmark and writes the JSON rows under ``out``."""
-    clock = _cpu_clock()
+    clock = cpu_clock()
     jobs = _run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps] + [f"builders:{sets[0]}"], out)
-    meta = {"jobs": jobs, "machine": _machine(), "args": vars(args),
-            "others_cpu": [_others_share(clock, _cpu_clock())], "date": time.strftime("%Y-%m-%d")}
+    meta = {"jobs": jobs, "machine": describe_machine(), "args": vars(args),
+            "others_cpu": [others_share(clock, cpu_clock())], "date": time.strftime("%Y-%m-%d")}
     if (out / "meta.json").is_file():  # runs over other sets or temperatures add up on one page
         old = json.loads((out / "meta.json").read_text())
         if all(old["args"][k] == meta["args"][k] for k in PROTOCOL):
@@ -299,13 +308,13 @@ def check(args, sets, temps, out: Path) -> None:
         if str(meta["args"][k]) != str(vars(args)[k]):
             raise SystemExit(f"--check must repeat the page's protocol: --{k.replace('_', '-')} is {vars(args)[k]}, "
                              f"the page used {meta['args'][k]}.")
-    clock = _cpu_clock()
+    clock = cpu_clock()
     (out / "check").mkdir(exist_ok=True)
     _run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps], out / "check")
     rows = [row for s in sets for t in temps
             for row in compare_runs(s, t, json.loads((out / f"bench-{s}-t{t:g}.json").read_text()),
                                     json.loads((out / "check" / f"bench-{s}-t{t:g}.json").read_text()))]
-    run = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "others_cpu": _others_share(clock, _cpu_clock())}
+    run = {"date": time.strftime("%Y-%m-%d"), "machine": describe_machine(), "others_cpu": others_share(clock, cpu_clock())}
     _write_checked_rows(out, _checked_rows(out, drop=[(s, t) for s in sets for t in temps]) +
                         [{**r, **run} for r in rows])
 
@@ -340,19 +349,19 @@ def reproduction(out: Path) -> list[str]:
     for r in rows:
         by_date.setdefault(str(r["date"]), {})[f"{r['set']} temp {r['temp']:g}"] = None
     when = " and ".join(f"{', '.join(tables)} on {date}" for date, tables in sorted(by_date.items()))
-    lines = [f"`--check` measured {when} again ({_others_words([r['others_cpu'] for r in rows])}): "
+    lines = [f"`--check` measured {when} again ({others_words([r['others_cpu'] for r in rows])}): "
              f"{ok} of {len(rows)} rows reproduced within the stated noise "
              f"(|Δτ| ≤ {TAU_TOL}, |Δspeedup| ≤ the larger IQR of the two runs).", "",
              "| table | method | budget | τ page → again | speedup page → again | noise | reproduced |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['set']} temp {r['temp']:g} | {r['method']} | {_fmt(r['budget'], 'd')} | "
+        lines.append(f"| {r['set']} temp {r['temp']:g} | {r['method']} | {fmt(r['budget'], 'd')} | "
                      f"{r['tau'][0]:.2f} → {r['tau'][1]:.2f} | {r['speedup'][0]:.2f} → {r['speedup'][1]:.2f} | "
                      f"± {r['noise']:.2f} | {'yes' if r['reproduced'] else 'NO'} |")
     return lines + [""]
 
 
-def _others_words(shares: list) -> str:
+def others_words(shares: list) -> str:
     """How much of the cores other processes took during the measuring run(s), from ``/proc/stat``."""
     known = [x for x in shares if x is not None]
     if not known:
@@ -381,7 +390,7 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme
           f"`{os.path.relpath(out, HERE.parent)}/` (not committed: a clone regenerates them) and `--render-only` "
           "rebuilds this page from them.",
           "",
-          f"- Machine: {meta['machine']}; while it measured, {_others_words(meta.get('others_cpu', []))} "
+          f"- Machine: {meta['machine']}; while it measured, {others_words(meta.get('others_cpu', []))} "
           "(when other jobs share the cores, absolute speeds drop and the ratios shift: a memory-bound AR step "
           "and a compute-bound verify forward slow down differently, even measured interleaved).",
           f"- Target `{PRESET}` with the drafters shipped in `treespark_jax/drafters/{PRESET}/` "
@@ -398,7 +407,8 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme
           "(docs/cost_model.md, not counted in τ; on by default for every drafting method; — for AR); α_j = acceptance at depth j given depth j − 1. Greedy = AR: every output identical to AR's (divergences at near-ties are counted).",
           "- This is a reduced CPU protocol (DESIGN.md §4 asks for 32 prompts, 128 tokens, budgets {4, 8, 16, 32} "
           "and three repeats, which take many hours on this machine); the same script runs the full protocol "
-          "with the flags in its docstring.", ""]
+          "with the flags in its docstring.",
+          f"- {EQUAL_BUDGET_LINE}", ""]
     for s in sets:
         for t in temps:
             md += [f"## {s}, temp {t:g}", ""]
@@ -434,7 +444,7 @@ def _readme_table(readme: Path, results: dict, name: str, budgets: list[int], me
     rows = results[(name, 0.0)]
     block = [README_START, "",
              f"{name}, held-out prompts, temp 0, {args['limit']} prompts × {args['max_new_tokens']} tokens, "
-             f"batch 1, float32 on {meta['machine'].split(' (')[0]} ({_others_words(meta.get('others_cpu', []))}); all sets, "
+             f"batch 1, float32 on {meta['machine'].split(' (')[0]} ({others_words(meta.get('others_cpu', []))}); all sets, "
              "temp 1, the plot and the ablations are in RESULTS.md.", "", table(rows), ""]
     block += [f"- {v}" for v in verdicts(rows, budgets)] + ["", README_END]
     head = text[: text.index(README_START)]

@@ -30,8 +30,8 @@ def test_compare_runs_applies_the_stated_noise(results):
 def test_others_share_subtracts_own_cpu_time(results):
     start, end = (100.0, 5.0, 0.0), (118.0, 13.0, 10.0)  # 18 busy s, 8 own s, 10 wall s
     cores = results.os.cpu_count()
-    assert results._others_share(start, end) == pytest.approx(10.0 / (10.0 * cores))
-    assert results._others_share(None, end) is None
+    assert results.others_share(start, end) == pytest.approx(10.0 / (10.0 * cores))
+    assert results.others_share(None, end) is None
 
 
 def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
@@ -55,6 +55,7 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     assert "treespark τ > ddtree τ at budgets none of [4]" in md
     assert "1.20 ± 0.10 at budget 4 (above 1 by more than half its IQR)" in md
     assert "fastest row" not in md  # treespark is the fastest here
+    assert "[TAU_EQUAL_BUDGET.md](TAU_EQUAL_BUDGET.md)" in md  # where τ at equal budget is
     faster = results.verdicts(rows + [_row("dspark", 8, 1.7, 1.3, 0.2)], [4, 8])
     assert faster[-1] == "fastest row: dspark at budget 8, 1.30 ± 0.20"
     assert "draft skipping off" not in md
@@ -134,3 +135,21 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(results, tmp_path,
     assert meta["jobs"] == {"bench:gsm8k:1": 2.0, "builders:gsm8k": 2.0} and meta["minutes"] == 4.0
     results.measure(results.argparse.Namespace(**args | {"sets": "gsm8k", "temps": "0"}), ["gsm8k"], [0.0], out)
     assert json.loads((out / "meta.json").read_text())["minutes"] == 6.0
+
+
+def test_tau_equal_budget_page_compares_tau_per_budget_and_leaves_speed_out():
+    page = load_script("experiments/tau_equal_budget.py")
+    rows = [_row("ar", None, 1.0, 1.0, 0.0), _row("dspark", 4, 1.7, 1.05, 0.1), _row("ddtree", 4, 1.95, 0.9, 0.1),
+            _row("ddtree", 8, 2.3, 0.9, 0.1), _row("treespark", 4, 2.0, 1.3, 0.1), _row("treespark", 8, 2.2, 1.3, 0.1)]
+    rows[2] |= {"tau_per_depth": [0.6, 0.5, None, 0.25]}
+    data = {"protocol": {"sets": ["gsm8k"], "limit": 4, "max_new_tokens": 64, "budgets": [4, 8], "temp": 0.0,
+                         "skip": False, "stop": False},
+            "machine": "cpu (x86_64, 2 cores)", "others_cpu": 0.01, "date": "2026-11-30", "minutes": 9.0,
+            "rows": {"gsm8k": rows}}
+    text = page.render(data)
+    assert ("`python experiments/tau_equal_budget.py --sets gsm8k --limit 4 --max-new-tokens 64 --budgets 4,8` "
+            "on 2026-11-30") in text
+    assert "| ddtree | 4 | 1.95 | 0.60 0.50 — 0.25 | yes |" in text and "| ar |" not in text
+    assert "- treespark τ > dspark τ at budgets [4] of [4, 8]" in text
+    assert "- treespark τ > ddtree τ at budgets [4] of [4, 8]" in text
+    assert "speedup" not in text.split("## gsm8k")[1] and "1.30" not in text
