@@ -117,6 +117,7 @@ def test_the_cost_aware_stop_follows_the_recipe_unless_overridden(target64, ar_r
     assert speculation("ddtree", target64, 8, drafter=drafters["ddtree"], stop=True).tree.stop is True
     assert speculation("treespark", target64, 1, drafter=drafters["treespark"], stop=True).tree.stop is False  # N = 1
     assert speculation("prompt_lookup", target64, 8, stop=False).tree.stop is False
+    assert speculation("prompt_lookup", target64, 8, builder="treespark").tree.stop is False  # nothing to stop on
     # Without the stop every round verifies the whole budget; greedy output stays AR's.
     spec = speculation("treespark", target64, 12, drafter=drafters["treespark"], stop=False, skip=False)
     ids, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40, spec=spec)

@@ -147,11 +147,12 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     builder, verify = builder or r.builder, verify or r.verify
     if r.proposer == "prompt_lookup":
         if stop:
-            raise ValueError("method 'prompt_lookup' has no draft probabilities for the cost-aware stop; drop stop.")
+            raise ValueError("method 'prompt_lookup' has no draft probabilities for the cost-aware stop; "
+                             "drop the stop option (--cost-aware-stop).")
         # Prompt lookup drafts one chain whatever the builder: its proposal has a single candidate.
         return Speculation(PromptLookup(target.cfg.vocab_size, block_size=budget),
                            TreeConfig(budget=budget, max_depth=budget, branch=1, builder=builder, verify=verify,
-                                      skip=skip))
+                                      stop=False, skip=skip))
     if drafter is None:
         raise ValueError(f"method {method!r} needs a trained block drafter; pass one with --drafter PATH "
                          "(or drafter= in the API).")

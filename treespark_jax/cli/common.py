@@ -31,9 +31,10 @@ def add_override_args(p: argparse.ArgumentParser, whose: str) -> None:
                         "more slowly than target steps would (lossless; docs/cost_model.md); on by default for "
                         "every drafting method")
     p.add_argument("--cost-aware-stop", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"verify only as many drafted nodes as the cost-aware stop picks (DESIGN.md §1.5); default "
-                        f"{whose} own (on for dspark and treespark); --no-cost-aware-stop verifies the whole budget "
-                        "every round, for τ at equal budget")
+                   help=f"verify only as many drafted nodes as the cost-aware stop picks (docs/cost_model.md); "
+                        f"default {whose} own (on for dspark, treespark and the treespark builder, off for budget 1 "
+                        "and prompt_lookup, which has no draft probabilities); --no-cost-aware-stop verifies the "
+                        "whole budget every round, for τ at equal budget")
 
 
 def target_name(args: argparse.Namespace) -> str:
