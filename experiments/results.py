@@ -52,9 +52,14 @@ from treespark_jax.train.prompts import load_prompts, prompt_ids  # noqa: E402
 
 HERE = Path(__file__).parent
 PRESET = "smollm2-135m"
-EQUAL_BUDGET_LINE = ("τ here is that of the methods as shipped (draft skipping on, the cost-aware stop on for dspark and "
-                     "treespark). τ at equal budget, with every method drafting every round and verifying its whole "
-                     "budget, is on [TAU_EQUAL_BUDGET.md](TAU_EQUAL_BUDGET.md) (`python experiments/tau_equal_budget.py`).")
+
+
+def equal_budget_line(folder: str = "") -> str:
+    """Where τ at equal budget is, for a page in ``experiments/`` (``folder=""``) or at the
+    repository root (``folder="experiments/"``)."""
+    return ("τ here is that of the methods as shipped (draft skipping on, the cost-aware stop on for dspark and "
+            "treespark). τ at equal budget, with every method drafting every round and verifying its whole budget, "
+            f"is on [TAU_EQUAL_BUDGET.md]({folder}TAU_EQUAL_BUDGET.md) (`python experiments/tau_equal_budget.py`).")
 
 
 def fmt(x, spec=".2f"):
@@ -408,7 +413,7 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme
           "- This is a reduced CPU protocol (DESIGN.md §4 asks for 32 prompts, 128 tokens, budgets {4, 8, 16, 32} "
           "and three repeats, which take many hours on this machine); the same script runs the full protocol "
           "with the flags in its docstring.",
-          f"- {EQUAL_BUDGET_LINE}", ""]
+          f"- {equal_budget_line()}", ""]
     for s in sets:
         for t in temps:
             md += [f"## {s}, temp {t:g}", ""]
@@ -446,7 +451,7 @@ def _readme_table(readme: Path, results: dict, name: str, budgets: list[int], me
              f"{name}, held-out prompts, temp 0, {args['limit']} prompts × {args['max_new_tokens']} tokens, "
              f"batch 1, float32 on {meta['machine'].split(' (')[0]} ({others_words(meta.get('others_cpu', []))}); all sets, "
              "temp 1, the plot and the ablations are in RESULTS.md.", "", table(rows), ""]
-    block += [f"- {v}" for v in verdicts(rows, budgets)] + ["", README_END]
+    block += [f"- {v}" for v in verdicts(rows, budgets)] + [f"- {equal_budget_line('experiments/')}", "", README_END]
     head = text[: text.index(README_START)]
     tail = text[text.index(README_END) + len(README_END):] if README_END in text else text[
         text.index(README_START) + len(README_START):]

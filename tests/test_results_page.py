@@ -68,6 +68,7 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
     assert "| treespark | 4 | 1.90 | 1.20 ± 0.10 |" in text
+    assert "[TAU_EQUAL_BUDGET.md](experiments/TAU_EQUAL_BUDGET.md)" in text
 
 
 def test_loss_ablation_names_the_changed_weights_and_steps(results, tmp_path):
