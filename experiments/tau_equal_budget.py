@@ -7,7 +7,8 @@ skips more of the hard stretches) and the cost-aware stop on for ``dspark`` and 
 and builders at equal budget. This script measures that comparison: greedy decoding (temp 0) on
 the held-out prompts with ``skip=False`` and ``stop=False`` for every drafting method
 (``treespark bench --no-skip-drafting --no-cost-aware-stop``), so every round is a drafted round
-and every tree verifies N nodes (a chain ``min(N, γ)``, γ the drafter's block size).
+and every tree verifies N nodes (a block drafter's chain ``min(N, γ)``, γ its block size;
+prompt lookup's chain N).
 
 Greedy τ repeats exactly on a repeated run (the same tokens are committed); speed is not the point
 here and is not rendered (the JSON keeps it; RESULTS.md has the shipped methods' speedups).
