@@ -34,7 +34,8 @@ def test_others_share_subtracts_own_cpu_time(results):
     assert results.others_share(None, end) is None
 
 
-def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
+def _measured_page(results, tmp_path):
+    """A measured gsm8k temp-0 table (budget 4) under ``tmp_path/results``; returns its rows."""
     out = tmp_path / "results"
     out.mkdir()
     rows = [_row("ar", None, 1.0, 1.0, 0.0), _row("dspark", 4, 1.7, 1.05, 0.1), _row("ddtree", 4, 1.95, 0.9, 0.1),
@@ -43,6 +44,12 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     args = {"sets": "gsm8k", "temps": "0", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1}
     (out / "meta.json").write_text(json.dumps({"minutes": 3.0, "machine": "cpu (x86_64, 2 cores)", "args": args,
                                                "others_cpu": [0.02]}))
+    return rows
+
+
+def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
+    out = tmp_path / "results"
+    rows = _measured_page(results, tmp_path)
     rep = {"date": "2026-11-30", "machine": "cpu", "others_cpu": [0.01],
            "rows": results.compare_runs("gsm8k", 0.0, rows, rows)}
     (out / "reproduction.json").write_text(json.dumps(rep))
@@ -93,6 +100,22 @@ def test_loss_ablation_names_the_changed_weights_and_steps(results, tmp_path):
     assert results.loss_ablation(tmp_path / "missing") is None
 
 
+def test_a_checkout_without_the_ablation_runs_keeps_the_pages_loss_table_marked_as_carried_over(results, tmp_path):
+    _measured_page(results, tmp_path)
+    page = tmp_path / "RESULTS.md"
+
+    def render():
+        return results.render(["gsm8k"], [0.0], [4], tmp_path / "results", tmp_path / "data", page)
+
+    assert results.LOSS_ABLATION_NOT_RUN in render()  # no table anywhere yet
+    table = "| variant | steps |\n|---|---|\n| start | 0 |"
+    page.write_text(page.read_text().replace(results.LOSS_ABLATION_NOT_RUN, table))
+    carried = f"{results.LOSS_ABLATION_HEAD}\n\n{results.CARRIED_OVER}\n\n{table}\n\n## Reproduction"
+    assert carried in render()
+    assert carried in render()  # rendered again, it is marked once
+    assert results.LOSS_ABLATION_NOT_RUN not in page.read_text()
+
+
 def test_measuring_refuses_a_low_map_limit_before_starting(results, tmp_path, monkeypatch):
     limit = tmp_path / "max_map_count"
     limit.write_text("65530\n")
@@ -126,6 +149,7 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(results, tmp_path,
     section = "\n".join(results.reproduction(out))
     assert "measured gsm8k temp 0 on 2026-11-30 and gsm8k temp 1 on 2026-12-01 again" in section
     assert "3 of 4 rows reproduced" in section
+    assert "τ moved by 0.00 at most and a speedup by 0.40 at most" in section
 
     # measuring a table for the page again drops its now stale verdicts, and keeps the others
     monkeypatch.setattr(results, "_run_jobs", lambda a, jobs, where: dict.fromkeys(jobs, 2.0))
