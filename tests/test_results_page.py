@@ -113,6 +113,8 @@ def test_a_checkout_without_the_ablation_runs_keeps_the_pages_loss_table_marked_
     carried = f"{results.LOSS_ABLATION_HEAD}\n\n{results.CARRIED_OVER}\n\n{table}\n\n## Reproduction"
     assert carried in render()
     assert carried in render()  # rendered again, it is marked once
+    page.write_text(page.read_text().replace(results.CARRIED_OVER, "Carried over from an older wording."))
+    assert carried in render()  # an older mark is replaced, not stacked
     assert results.LOSS_ABLATION_NOT_RUN not in page.read_text()
 
 
@@ -149,7 +151,7 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(results, tmp_path,
     section = "\n".join(results.reproduction(out))
     assert "measured gsm8k temp 0 on 2026-11-30 and gsm8k temp 1 on 2026-12-01 again" in section
     assert "3 of 4 rows reproduced" in section
-    assert "τ moved by 0.00 at most and a speedup by 0.40 at most" in section
+    assert "τ moved by 0.00 at most, and a speedup by 0.40 at most (median 0.00)" in section
 
     # measuring a table for the page again drops its now stale verdicts, and keeps the others
     monkeypatch.setattr(results, "_run_jobs", lambda a, jobs, where: dict.fromkeys(jobs, 2.0))
