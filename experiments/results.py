@@ -46,7 +46,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from treespark_jax.api import load  # noqa: E402
-from treespark_jax.bench.compare import compare, map_count_shortfall  # noqa: E402
+from treespark_jax.bench.compare import compare, cpu_model, map_count_shortfall  # noqa: E402
 from treespark_jax.config import BUILDERS  # noqa: E402
 from treespark_jax.decode.cost_model import current_device_kind  # noqa: E402
 from treespark_jax.methods import METHODS  # noqa: E402
@@ -215,17 +215,6 @@ def previous_loss_ablation(results_md: Path) -> str | None:
     if not body or body == LOSS_ABLATION_NOT_RUN:
         return None
     return f"{CARRIED_OVER}\n\n{body}"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, where ``platform.processor()`` is often
-    empty), else whatever ``platform`` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else platform.processor() or platform.machine()
 
 
 def describe_machine() -> str:

@@ -26,6 +26,7 @@ sampling); interleaved medians with IQR follow the CPU protocol of DESIGN.md §4
 from __future__ import annotations
 
 import dataclasses
+import platform
 import statistics
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -96,6 +97,17 @@ MAPS_PER_ROW = 4_000
 """Memory regions XLA's CPU backend maps for one (method, budget)'s compiled programs, measured at
 temp 1 with jax 0.10.2 on ``smollm2-135m`` (≈ 3,700 at temp 0)."""
 MAP_COUNT = Path("/proc/sys/vm/max_map_count")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, where ``platform.processor()`` is often
+    empty), else whatever ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def map_count_shortfall(rows: int) -> str | None:

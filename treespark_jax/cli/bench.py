@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1.")
     check_out_file("--json-out", args.json_out)
 
-    from treespark_jax.bench.compare import check_methods, compare
+    from treespark_jax.bench.compare import check_methods, compare, cpu_model
     from treespark_jax.train.prompts import PROMPT_SETS, load_prompts, prompt_ids
 
     check_methods(methods, budgets)
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> None:
                     "dtype": args.dtype, "drafters": drafters or "shipped", "builder": args.builder,
                     "verify": args.verify, "skip_drafting": args.skip_drafting is not False,
                     "cost_aware_stop": args.cost_aware_stop}
-        machine = {"device": current_device_kind(), "processor": platform.processor() or platform.machine(),
+        machine = {"device": current_device_kind(), "processor": cpu_model(),
                    "cpu_count": os.cpu_count(), "jax": jax.__version__,
                    "python": platform.python_version()}
         Path(args.json_out).write_text(json.dumps({"protocol": protocol, "machine": machine, "rows": rows}, indent=2))
