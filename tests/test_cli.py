@@ -107,3 +107,35 @@ def test_unknown_preset_and_models_list(capsys):
     assert "unknown preset 'no-such-model'" in capsys.readouterr().err
     assert main(["models", "list"]) == 0
     assert "smollm2-135m" in capsys.readouterr().out
+
+
+def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tmp_path):
+    from treespark_jax.train.prompts import load_prompts
+
+    out = tmp_path / "self.jsonl"
+    args = ["self-prompts", "--preset", preset, "--n", "3", "--max-new-tokens", "24", "--batch-size", "4"]
+    assert main(args + ["--out", str(out)]) == 0
+    assert "prompts  3 of 3" in capsys.readouterr().out
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [set(x) for x in lines] == [{"id", "prompt", "seed", "finished"}] * 3
+    records = load_prompts(out)
+    assert [r.id for r in records] == [x["id"] for x in lines] and all(r.id.startswith("self/0/") for r in records)
+    assert len({r.turns[0] for r in records}) == 3 and all(r.turns[0].strip() for r in records)
+    again = tmp_path / "again.jsonl"
+    assert main(args + ["--out", str(again)]) == 0 and again.read_text() == out.read_text()  # seeded
+    before = out.read_text()
+    assert main(args + ["--out", str(out)]) == 2  # never overwritten
+    assert "already exists" in capsys.readouterr().err and out.read_text() == before
+    assert not list(tmp_path.glob(".*partial"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n", "0"], "--n 0 must be at least 1"),
+    (["--n", "2", "--seed", "-1"], "--seed -1 must be at least 0"),
+    (["--n", "2", "--batch-size", "0"], "--batch-size 0 must be at least 1"),
+])
+def test_self_prompts_bad_input_is_one_sentence_and_exit_2(capsys, tmp_path, flags, message):
+    out = tmp_path / "p.jsonl"
+    assert main(["self-prompts", "--preset", "no-such-model", *flags, "--out", str(out)]) == 2  # before any load
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("treespark: error: ") and message in err and "\n" not in err and not out.exists()

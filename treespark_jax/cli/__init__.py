@@ -1,9 +1,10 @@
-"""Command line: ``treespark {generate, bench, models, profile, rollout, eval-drafter, train}``.
+"""Command line: ``treespark {generate, bench, models, profile, self-prompts, rollout, eval-drafter, train}``.
 
 - ``generate``: one reply to a prompt with any decoding method (``generate.py``).
 - ``bench``: τ and speedup of methods × budgets against AR on a prompt set (``bench.py``).
 - ``models {list, fetch}``: the offline model presets and their cache (``models.py``).
 - ``profile``: measure verify and draft cost on this device, store the cost model (``profile.py``).
+- ``self-prompts``: user turns written by the target itself, as a JSONL prompt file (``self_prompts.py``).
 - ``rollout``: log the target's answers and per-token features for training (``rollout.py``).
 - ``eval-drafter``: offline τ of a drafter on held-out rollouts (``eval_drafter.py``).
 - ``train``: train a block drafter on rollouts (``train.py``).
@@ -19,9 +20,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treespark_jax.cli import bench, eval_drafter, generate, models, profile, rollout, train
+from treespark_jax.cli import bench, eval_drafter, generate, models, profile, rollout, self_prompts, train
 
-_COMMANDS = {"generate": generate, "bench": bench, "models": models, "profile": profile, "rollout": rollout,
+_COMMANDS = {"generate": generate, "bench": bench, "models": models, "profile": profile,
+             "self-prompts": self_prompts, "rollout": rollout,
              "eval-drafter": eval_drafter, "train": train}  # in the order of ``--help``
 
 
