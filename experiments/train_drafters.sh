@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Trained drafters for the smollm2-135m preset (DESIGN.md §1.4, issue 6), stage by stage:
-#   1. rollouts of the target on the training prompts (HumanEval, GSM8K, MT-Bench train splits)
+#   1. rollouts of the target on the training prompts (HumanEval, GSM8K, MT-Bench train splits, and
+#      with SELF > 0 that many chat prompts the target writes itself: `treespark self-prompts`)
 #   2. a dflash drafter and a dspark drafter on the same data for the same steps
 #   3. on-policy rollouts with the dspark drafter (every verified tree logged)
 #   4. a treespark drafter warm-started from the dspark one, trained on the on-policy trees
@@ -27,11 +28,14 @@ ANCHORS=${ANCHORS:-16}         # gold-chain blocks per sequence
 BUDGET=${BUDGET:-16}           # tree budget of the on-policy rollouts
 SETS="gsm8k humaneval mtbench"
 ONPOLICY=${ONPOLICY:-gsm8k}    # sets whose on-policy trees are logged (the others stay plain; CPU time)
+SELF=${SELF:-0}                # self-generated chat prompts (DESIGN.md §1.4); the shipped drafters used none
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary of the shipped drafters (most frequent training tokens)
 T="$PY -m treespark_jax.cli"
 TRAIN_ARGS="--steps $STEPS --batch $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
 
 plain() { for s in $SETS; do echo "$DATA/rollouts-$s-$1"; done; }
+self_rollouts() { if [ "$SELF" -gt 0 ]; then echo "$DATA/rollouts-self$SELF-train"; fi; }
+train_plain() { plain train; self_rollouts; }  # the sets' train splits and the self-generated prompts
 
 stage_rollouts() {
   for s in $SETS; do
@@ -39,9 +43,15 @@ stage_rollouts() {
       --out "$DATA/rollouts-$s-train"
     $T rollout --prompts "$s" --split eval --max-new-tokens "$NEW" --batch-size 16 --out "$DATA/rollouts-$s-eval"
   done
+  if [ "$SELF" -gt 0 ]; then
+    # the prompt file is written once (seeded, so a re-run would write the same); its rollouts resume
+    [ -f "$DATA/self-prompts-$SELF.jsonl" ] || $T self-prompts --n "$SELF" --seed 0 --out "$DATA/self-prompts-$SELF.jsonl"
+    $T rollout --prompts "$DATA/self-prompts-$SELF.jsonl" --max-new-tokens "$NEW" --batch-size 16 \
+      --out "$(self_rollouts)"
+  fi
 }
-stage_dflash() { $T train --rollouts $(plain train) --loss dflash $TRAIN_ARGS --out "$DATA/dflash"; }
-stage_dspark() { $T train --rollouts $(plain train) --loss dspark $TRAIN_ARGS --out "$DATA/dspark"; }
+stage_dflash() { $T train --rollouts $(train_plain) --loss dflash $TRAIN_ARGS --out "$DATA/dflash"; }
+stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS --out "$DATA/dspark"; }
 stage_onpolicy() {
   for s in $ONPOLICY; do
     $T rollout --prompts "$s" --split train --limit "$LIMIT" --max-new-tokens "$NEW" --batch-size 16 \
@@ -52,6 +62,7 @@ treespark_sets() {
   for s in $SETS; do
     case " $ONPOLICY " in *" $s "*) echo "$DATA/onpolicy-$s-train" ;; *) echo "$DATA/rollouts-$s-train" ;; esac
   done
+  self_rollouts
 }
 stage_treespark() {
   $T train --rollouts $(treespark_sets) --loss treespark --trees 4 \
@@ -91,7 +102,7 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
 }
 
 stage_export() {  # bfloat16 copies drafting from the DRAFT_VOCAB most frequent tokens of the training rollouts
-  $PY - "$DATA" "$DRAFT_VOCAB" $(plain train) <<'PY'
+  $PY - "$DATA" "$DRAFT_VOCAB" $(train_plain) <<'PY'
 import sys
 from treespark_jax.drafter.checkpoint import export_drafter
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab

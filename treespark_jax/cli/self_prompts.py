@@ -12,7 +12,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser(
         "self-prompts", help="let the target write user turns (training prompts) into a JSONL file",
         description="The instruct target samples user turns from its own chat template at temperature 1 "
-                    "(DESIGN.md §1.4; train.prompts.self_generated_prompts), seeded per row, and the distinct "
+                    "(docs/training.md; train.prompts.self_generated_prompts), seeded per row, and the distinct "
                     "non-empty ones are written to --out, one {\"id\", \"prompt\", \"seed\", \"finished\"} "
                     "object per line: the format `treespark rollout --prompts FILE.jsonl` reads.")
     add_target_args(sp)
