@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -37,12 +36,13 @@ from typing import BinaryIO, NamedTuple
 
 from tqdm.auto import tqdm
 
+from treespark_jax.files import create_partial, write_text_atomic
+
 logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20  # bytes per read while copying and hashing
 _PROGRESS_MIN_BYTES = 16 << 20  # smaller files are copied and hashed without a progress bar
 _SIDECAR_SUFFIX = ".sha256-ok"
-_PARTIAL_SUFFIX = ".partial"
 
 
 class AssetError(ValueError):
@@ -203,7 +203,7 @@ def _cached_file_ok(asset: Asset, path: Path, progress: bool) -> bool:
 
 def _download_into(asset: Asset, path: Path, downloader: Downloader, progress: bool) -> None:
     """Assembles ``asset`` in a temporary file next to ``path``, verifies it, then moves it in."""
-    fd, tmp = _create_partial(path)
+    fd, tmp = create_partial(path)
     try:
         with os.fdopen(fd, "wb") as out, _bar(asset, f"fetching {asset.name}", progress) as bar:
             hasher = hashlib.sha256()
@@ -288,20 +288,7 @@ def _write_sidecar(asset: Asset, path: Path) -> None:
     """Records that ``path``, at its current size and mtime, has the pinned sha256 (atomically)."""
     stat = path.stat()
     record = {"sha256": asset.sha256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    fd, tmp = _create_partial(_sidecar(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, _sidecar(path))
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _create_partial(path: Path) -> tuple[int, Path]:
-    """Creates a new hidden ``.<name>.<random>.partial`` file next to ``path`` (mode per umask)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{_PARTIAL_SUFFIX}")
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+    write_text_atomic(_sidecar(path), json.dumps(record))
 
 
 def _remove(path: Path) -> None:

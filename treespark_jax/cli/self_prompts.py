@@ -35,11 +35,11 @@ def run(args: argparse.Namespace) -> None:
         target without a chat template.
     """
     import json
-    import os
     import time
     from pathlib import Path
 
     from treespark_jax.api import load
+    from treespark_jax.files import write_text_atomic
     from treespark_jax.train.prompts import self_generated_prompts
 
     for flag, value, low in (("--n", args.n, 1), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -57,9 +57,7 @@ def run(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     lines = [json.dumps({"id": r.id, "prompt": r.turns[0], "seed": r.meta["seed"], "finished": r.meta["finished"]},
                         ensure_ascii=False) for r in records]
-    partial = out.with_name(f".{out.name}.partial")
-    partial.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(partial, out)  # a crash never leaves a half-written prompt file under the name asked for
+    write_text_atomic(out, "".join(line + "\n" for line in lines))  # never half-written under its name
     rows = [("file", str(out.resolve())),
             ("prompts", f"{len(records)} of {args.n} ({sum(r.meta['finished'] for r in records)} ended at end-of-turn)"),
             ("seconds", f"{seconds:.1f}")]

@@ -42,9 +42,7 @@ import dataclasses
 import importlib.resources
 import json
 import logging
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from treespark_jax.assets import cache_root
+from treespark_jax.files import write_text_atomic
 from treespark_jax.typing import Array, Float
 
 logger = logging.getLogger(__name__)
@@ -376,23 +375,14 @@ def profile_path(device_kind: str, target: str) -> Path:
 
 
 def save_cost_model(model: CostModel, path: str | Path) -> Path:
-    """Writes ``model`` as JSON to ``path`` atomically (a temporary file, then ``os.replace``).
+    """Writes ``model`` as JSON to ``path`` atomically (``files.write_text_atomic``), creating its directory.
 
     Returns:
       The path written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(model.to_json(), f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, json.dumps(model.to_json(), indent=1) + "\n")
 
 
 def load_cost_model(path: str | Path) -> CostModel:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +43,7 @@ from jax.sharding import Mesh
 from treespark_jax.config import TrainConfig
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter, warm_start
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.files import write_text_atomic
 from treespark_jax.methods import drafter_config
 from treespark_jax.sharding import DATA, MeshShape, Partitioner, make_mesh, process_data_block
 from treespark_jax.train.checkpointing import TrainCheckpoints
@@ -126,12 +126,6 @@ def _check_same_run(path: Path, identity: dict[str, Any]) -> None:
         elif was != now:
             raise ValueError(f"{path.parent} holds a run with {key} = {was!r}, not {now!r}; resume with the "
                              "same settings or choose another --out.")
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, init: str | None,
@@ -233,7 +227,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     if primary:
         out.mkdir(parents=True, exist_ok=True)
         if not run_file.exists():
-            _write_json_atomic(run_file, identity)
+            write_text_atomic(run_file, json.dumps(identity, indent=1))
 
     graphdef, state = init_state(drafter, tx)
     ckpts = TrainCheckpoints(out / "checkpoints", keep=cfg.keep)

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from treespark_jax.files import write_text_atomic
 
 __all__ = ["MetricsLog", "mean_metrics"]
 
@@ -57,9 +58,7 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
                 keep.append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a line cut by a crash
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 class MetricsLog:

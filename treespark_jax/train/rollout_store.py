@@ -40,6 +40,7 @@ from typing import Any
 
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
+from treespark_jax.files import write_text_atomic
 from treespark_jax.train.rollout_records import RolloutError, encode_record
 
 __all__ = ["MANIFEST", "RolloutWriter", "read_manifest", "shard_problem"]
@@ -58,15 +59,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             hasher.update(chunk)
     return hasher.hexdigest()
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
@@ -206,4 +198,4 @@ class RolloutWriter:
         shards = self.manifest["shards"]
         for key in ("records", "tokens", "response_tokens", "bytes"):
             self.manifest[key] = sum(s[key] for s in shards)
-        _write_json_atomic(self.directory / MANIFEST, self.manifest)
+        write_text_atomic(self.directory / MANIFEST, json.dumps(self.manifest, indent=1))
