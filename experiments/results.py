@@ -48,7 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from treespark_jax.api import load  # noqa: E402
 from treespark_jax.bench.compare import compare, cpu_model, map_count_shortfall  # noqa: E402
 from treespark_jax.config import BUILDERS  # noqa: E402
-from treespark_jax.decode.cost_model import current_device_kind  # noqa: E402
+from treespark_jax.decode.cost_model import current_device_kind, profile_path, target_id  # noqa: E402
 from treespark_jax.methods import METHODS  # noqa: E402
 from treespark_jax.train.chain_losses import LossConfig  # noqa: E402
 from treespark_jax.train.prompts import load_prompts, prompt_ids  # noqa: E402
@@ -269,6 +269,10 @@ def _run_jobs(args, jobs: list[str], out: Path) -> dict[str, float]:
     """
     if shortfall := map_count_shortfall(1 + (len(METHODS) - 1) * len(args.budgets.split(","))):
         raise SystemExit(shortfall)
+    stored = profile_path(current_device_kind(), target_id(PRESET))
+    if stored.is_file():  # api.load prefers it to the shipped CPU profile RESULTS.md was measured with
+        log(f"warning: the cost-aware stop and draft skipping will read {stored} (`treespark profile`), not the "
+            "shipped CPU profile; delete it to reproduce RESULTS.md.")
     protocol = [f"--{k.replace('_', '-')}={vars(args)[k]}" for k in PROTOCOL]
     minutes = {}
     for job in jobs:

@@ -87,6 +87,8 @@ def test_drafter_method_with_a_saved_drafter_matches_greedy_ar(preset, capsys, t
 
 @pytest.mark.parametrize("flags, message", [
     (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", " ", "--chat"], "the prompt is empty"),
+    (["--prompt", "hi", "--seed", "-1"], "seed -1 is outside 0..4294967295"),
     (["--prompt", "hi " * 9000], "more than the model's context of 8192 tokens"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens=0 must be at least 1"),
     (["--prompt", "hi", "--temp", "-1"], "temperature -1.0 is negative"),
@@ -109,6 +111,29 @@ def test_unknown_preset_and_models_list(capsys):
     assert "smollm2-135m" in capsys.readouterr().out
 
 
+def test_a_refused_file_system_call_is_one_line_and_exit_1(capsys, monkeypatch):
+    from treespark_jax.cli import models
+
+    def refuse(args):
+        raise PermissionError(13, "Permission denied", "/root/x.json")
+
+    monkeypatch.setattr(models, "run", refuse)
+    assert main(["models", "list"]) == 1
+    assert capsys.readouterr().err == "treespark: error: cannot access /root/x.json: Permission denied.\n"
+
+
+def test_api_refuses_prompts_that_are_not_text_or_are_blank_chat_turns(preset):
+    from treespark_jax.api import load
+
+    lm = load(preset)
+    for prompt, chat, message in ((None, False, "a prompt must be text \\(str\\), not NoneType"),
+                                  (["a", 3], False, "not int"), ("  ", True, "the prompt is empty")):
+        with pytest.raises(ValueError, match=message):
+            lm.generate(prompt, chat=chat, max_new_tokens=1)
+    with pytest.raises(ValueError, match="not list"):
+        next(lm.stream(["a", "b"], max_new_tokens=1))
+
+
 def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tmp_path):
     from treespark_jax.train.prompts import load_prompts
 
@@ -126,6 +151,9 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     before = out.read_text()
     assert main(args + ["--out", str(out)]) == 2  # never overwritten
     assert "already exists" in capsys.readouterr().err and out.read_text() == before
+    none = tmp_path / "none.jsonl"  # 2-token turns that must end at end-of-turn: none is usable
+    assert main(args[:-4] + ["--max-new-tokens", "2", "--batch-size", "4", "--drop-unfinished", "--out", str(none)]) == 2
+    assert "no usable user turn" in capsys.readouterr().err and not none.exists()
     assert not list(tmp_path.glob(".*partial"))
 
 

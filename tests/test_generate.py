@@ -97,8 +97,11 @@ def test_stream_yields_the_same_tokens_as_generate(model):
     (dict(temp=-0.5), "temperature -0.5 is negative"),
     (dict(top_p=0.0), "top_p=0.0 is outside (0, 1]"),
     (dict(top_p=1.5), "top_p=1.5 is outside (0, 1]"),
+    (dict(seed=-1), "seed -1 is outside 0..4294967295"),
+    (dict(prompts=[[1, 2], [3]], seed=2**32 - 1), "seed 4294967296 is outside 0..4294967295"),  # row 1: seed + 1
+    (dict(seed=[7, 2**32]), "seed 4294967296 is outside"),
 ])
 def test_bad_requests_raise_one_sentence(model, kwargs, message):
-    args = dict(prompts=[[1, 2]], max_new_tokens=20, temp=0.0, top_p=1.0) | kwargs
+    args = dict(prompts=[[1, 2]], max_new_tokens=20, temp=0.0, top_p=1.0, seed=0) | kwargs
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Engine(model, stop_ids=[]).generate(**args)

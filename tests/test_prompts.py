@@ -140,6 +140,11 @@ def test_unknown_set_names_the_sets():
         load_prompts("/no/such.jsonl")
 
 
+def test_a_directory_given_as_the_prompt_file_is_named_as_one(tmp_path):
+    with pytest.raises(ValueError, match=r"prompt file '.*' is a directory; pass an existing JSONL file"):
+        load_prompts(str(tmp_path) + "/")
+
+
 def test_pinned_count_mismatch_is_an_error(fake_sets, monkeypatch):
     monkeypatch.setitem(PROMPT_SETS, "gsm8k", dataclasses.replace(PROMPT_SETS["gsm8k"], count=1319))
     with pytest.raises(ValueError, match="has 40 records, but 1319 were pinned"):

@@ -410,10 +410,24 @@ def test_on_policy_rollouts_refuse_top_p_below_one(tmp_path, target, prompts, en
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(temp=-1.0), "temperature -1.0 is negative"),
+    (dict(top_p=2.0), "top_p=2.0 is outside"),
+    (dict(max_new_tokens=0), "max_new_tokens=0 must be at least 1"),
+])
+def test_refused_sampling_settings_leave_no_directory(tmp_path, target, prompts, engine, settings, message):
+    # A directory made before the check would record the bad settings and refuse the corrected run.
+    with pytest.raises(ValueError, match=message):
+        _write(target, prompts, engine, tmp_path / "r",
+               settings=RolloutSettings(**({"max_new_tokens": 8, "batch_size": 2} | settings)))
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("command", [
     ["rollout", "--prompts", "gsm8k", "--limit", "1", "--out", "{file}"],
     ["train", "--rollouts", "{dir}", "--loss", "dspark", "--out", "{file}"],
     ["eval-drafter", "--drafter", "{dir}", "--rollouts", "{dir}", "--json-out", "{dir}/no/such/x.json"],
+    ["eval-drafter", "--drafter", "{dir}", "--rollouts", "{dir}", "--json-out", "{dir}"],
 ])
 def test_output_paths_that_cannot_be_written_are_one_sentence_errors(tmp_path, capsys, command):
     (tmp_path / "f").write_text("not a directory")

@@ -119,7 +119,15 @@ class TreeSpark:
                            builder=builder, verify=verify, skip=skip, stop=stop)
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        """Token ids for ``prompt``: raw text, or one user turn through the chat template."""
+        """Token ids for ``prompt``: raw text, or one user turn through the chat template.
+
+        Raises:
+          ValueError: ``prompt`` is not a ``str``, or is empty (blank, for a chat turn).
+        """
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be text (str), not {type(prompt).__name__}.")
+        if not (prompt.strip() if chat else prompt):
+            raise ValueError("the prompt is empty; give at least one character of text.")
         if chat:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(text, add_special_tokens=False)
@@ -158,12 +166,13 @@ class TreeSpark:
         """
         spec = self.speculation(method or self.default_method, budget, drafter=drafter, builder=builder,
                                 verify=verify, skip=skip, stop=stop)
-        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        batch = isinstance(prompt, (list, tuple))
+        texts = list(prompt) if batch else [prompt]
         ids = [self.encode_prompt(t, chat) for t in texts]
         out, stats = self.engine.generate(ids, max_new_tokens, temp, top_p, seed, spec)
         results = [GenerationResult(t, p, o, self.tokenizer.decode(o, skip_special_tokens=True), stats)
                    for t, p, o in zip(texts, ids, out)]
-        return results[0] if isinstance(prompt, str) else results
+        return results if batch else results[0]
 
     def stream(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
                temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str | None = None,

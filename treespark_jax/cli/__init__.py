@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
       0 on success, 2 when a command raised ``ValueError`` (its message goes to stderr as
-      ``treespark: error: ...``). Bad flags exit 2 through argparse (``SystemExit``).
+      ``treespark: error: ...``), 1 when the file system refused a read or write (``OSError``,
+      one line naming the file). Bad flags exit 2 through argparse (``SystemExit``).
     """
     args = _parser().parse_args(argv)
     try:
@@ -53,4 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # user errors (AssetError is a ValueError too)
         print(f"treespark: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the file system refused (a folder that cannot be written, a full disk)
+        where = f" {e.filename}" if e.filename else ""
+        print(f"treespark: error: cannot access{where}: {e.strerror or e}.", file=sys.stderr)
+        return 1
     return 0

@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import sys
-from pathlib import Path
 
 from treespark_jax.cli.common import add_override_args, add_target_args, check_out_file, target_name
 from treespark_jax.methods import DRAFTER_METHODS, METHODS
@@ -97,6 +96,7 @@ def run(args: argparse.Namespace) -> None:
     check_out_file("--json-out", args.json_out)
 
     from treespark_jax.bench.compare import check_methods, compare, cpu_model
+    from treespark_jax.files import write_text_atomic
     from treespark_jax.train.prompts import PROMPT_SETS, load_prompts, prompt_ids
 
     check_methods(methods, budgets)
@@ -128,4 +128,4 @@ def run(args: argparse.Namespace) -> None:
         machine = {"device": current_device_kind(), "processor": cpu_model(),
                    "cpu_count": os.cpu_count(), "jax": jax.__version__,
                    "python": platform.python_version()}
-        Path(args.json_out).write_text(json.dumps({"protocol": protocol, "machine": machine, "rows": rows}, indent=2))
+        write_text_atomic(args.json_out, json.dumps({"protocol": protocol, "machine": machine, "rows": rows}, indent=2))

@@ -4,6 +4,7 @@ the decoding overrides of ``generate`` and ``bench``, and the check of an output
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from treespark_jax.config import BUILDERS, VERIFY_RULES
@@ -56,3 +57,5 @@ def check_out_file(flag: str, value: str | None) -> None:
         raise ValueError(f"{flag} {value} is a directory; give a file path.")
     if not path.parent.is_dir():
         raise ValueError(f"{flag} {value}: its folder does not exist.")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {value}: its folder is not writable.")

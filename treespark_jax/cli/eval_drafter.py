@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
+from treespark_jax.cli.common import check_out_file
 from treespark_jax.config import BUILDERS
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
@@ -33,20 +35,17 @@ def run(args: argparse.Namespace) -> None:
       ValueError: ``--anchors`` or ``--batch`` below 1, tree τ asked of sampled (temp > 0) rollouts;
         the drafter and rollout readers raise it for a bad path or rollouts of another target.
     """
-    from pathlib import Path
-
     from treespark_jax.api import load
     from treespark_jax.drafter.checkpoint import TargetBinding, read_meta
     from treespark_jax.drafter.model import TargetHead
-
-    if args.json_out and not Path(args.json_out).absolute().parent.is_dir():
-        raise ValueError(f"--json-out {args.json_out}: its folder does not exist.")
+    from treespark_jax.files import write_text_atomic
     from treespark_jax.train.evaluate import evaluate_drafter, rollout_batches
     from treespark_jax.train.rollouts import open_rollouts
 
     for name in ("anchors", "batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} {getattr(args, name)} must be at least 1.")
+    check_out_file("--json-out", args.json_out)
     meta = read_meta(args.drafter)  # a bad path fails before the target loads
     lm = load(meta.binding.name)
     drafter = lm.drafter(args.method, args.drafter)
@@ -66,4 +65,4 @@ def run(args: argparse.Namespace) -> None:
         print(f"{'tree τ':<10} {result['tree_tau']:.3f}  ({tree.builder}, budget {tree.budget})")
     print(f"{'α/depth':<10} " + " ".join(f"{a:.2f}" for a in result["alpha"]))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
+        write_text_atomic(args.json_out, json.dumps(result, indent=2))

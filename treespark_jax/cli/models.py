@@ -10,7 +10,7 @@ from treespark_jax.models.presets import PRESETS
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Adds the ``models`` command and its ``list`` and ``fetch`` subcommands to ``sub``."""
     models = sub.add_parser("models", help="list or fetch the offline model presets")
-    msub = models.add_subparsers(dest="models_command", required=True)
+    msub = models.add_subparsers(dest="models_command", required=True, metavar="{list,fetch}")
     msub.add_parser("list", help="list presets, their sizes and whether they are cached")
     fetch = msub.add_parser("fetch", help="download a preset into the cache and verify its sha256")
     fetch.add_argument("name", help=f"preset name ({', '.join(PRESETS)})")

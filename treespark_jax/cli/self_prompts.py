@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: ``--n``, ``--max-new-tokens`` or ``--batch-size`` below 1, a negative ``--seed``,
-        an ``--out`` that exists or whose folder does not (all before the target loads), or a
-        target without a chat template.
+        an ``--out`` that exists or whose folder does not (all before the target loads), a
+        target without a chat template, or no usable user turn at all (no file is written).
     """
     import json
     import time
@@ -55,6 +55,10 @@ def run(args: argparse.Namespace) -> None:
     records = self_generated_prompts(lm, args.n, seed=args.seed, max_new_tokens=args.max_new_tokens,
                                      batch_size=args.batch_size, drop_unfinished=args.drop_unfinished)
     seconds = time.perf_counter() - start
+    if not records:
+        raise ValueError(f"no usable user turn came out of the target (--max-new-tokens {args.max_new_tokens}"
+                         f"{', --drop-unfinished' if args.drop_unfinished else ''}); nothing was written, raise "
+                         "--max-new-tokens or drop --drop-unfinished.")
     lines = [json.dumps({"id": r.id, "prompt": r.turns[0], "seed": r.meta["seed"], "finished": r.meta["finished"]},
                         ensure_ascii=False) for r in records]
     write_text_atomic(out, "".join(line + "\n" for line in lines))  # never half-written under its name

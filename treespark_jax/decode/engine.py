@@ -148,17 +148,30 @@ class GenerationStats:
         return decoded / self.decode_s if self.decode_s > 0 else float("nan")
 
 
+MAX_SEED = 2**32 - 1  # request seeds are uint32 PRNG keys
+
+
+def row_seeds(n_rows: int, seed: int | Sequence[int]) -> list[int]:
+    """The request seed of each of ``n_rows`` rows: ``seed + i`` for row ``i``, or the listed
+    seeds (rows past the list get 0)."""
+    seeds = list(seed) if isinstance(seed, Sequence) else [seed + i for i in range(n_rows)]
+    return seeds + [0] * (n_rows - len(seeds))
+
+
 def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temp: float, top_p: float,
-                  context: int) -> None:
+                  context: int, seed: int | Sequence[int] = 0) -> None:
     """Validates a request before anything runs.
 
     Raises:
       ValueError: one sentence naming the value and its limit (empty prompt, prompt + output
         longer than the context, ``max_new_tokens < 1``, negative temperature, top-p outside
-        ``(0, 1]``).
+        ``(0, 1]``, a row's seed outside ``0..MAX_SEED``).
     """
     if not prompt_lens:
         raise ValueError("no prompts were given; pass at least one prompt.")
+    bad = next((s for s in row_seeds(len(prompt_lens), seed) if not 0 <= s <= MAX_SEED), None)
+    if bad is not None:
+        raise ValueError(f"seed {bad} is outside 0..{MAX_SEED} (prompt i of a batch uses seed + i).")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1.")
     if not (temp >= 0 and math.isfinite(temp)):
@@ -214,8 +227,7 @@ class Engine:
                  seed: int | Sequence[int]) -> Requests:
         """Per-row request arrays; row ``i`` of a multi-prompt call uses seed ``seed + i``
         unless a list of seeds is given."""
-        seeds = list(seed) if isinstance(seed, Sequence) else [seed + i for i in range(n_rows)]
-        seeds += [0] * (n_rows - len(seeds))
+        seeds = row_seeds(n_rows, seed)
         return Requests(
             temp=jnp.full((n_rows,), max(temp, 1e-6), jnp.float32),
             top_p=jnp.full((n_rows,), top_p, jnp.float32),
@@ -243,7 +255,7 @@ class Engine:
               log_trees: bool = False):
         """Validates, pads to buckets and prefills. Returns the loop state and the requests."""
         lens = [len(p) for p in prompts]
-        check_request(lens, max_new_tokens, temp, top_p, self.context)
+        check_request(lens, max_new_tokens, temp, top_p, self.context, seed)
         b = buckets.batch_bucket(len(prompts), self.data_size)
         t = buckets.prompt_bucket(max(lens))
         out_size = buckets.output_bucket(max_new_tokens)

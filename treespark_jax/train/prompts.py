@@ -114,7 +114,8 @@ def load_prompts(source: str | Path, split: Split | None = None, *, seed: int = 
         return _load_set(source, split, seed, eval_size)
     path = Path(source).expanduser()
     if not path.is_file() and looks_like_path(str(source)):
-        raise ValueError(f"prompt file {str(path)!r} does not exist; pass an existing JSONL file with a \"prompt\" "
+        problem = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(f"prompt file {str(path)!r} {problem}; pass an existing JSONL file with a \"prompt\" "
                          f"field per line, or a prompt set ({', '.join(PROMPT_SETS)}).")
     if not path.is_file():
         raise ValueError(
