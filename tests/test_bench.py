@@ -78,6 +78,8 @@ def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path
     (["--methods", "treespark"], "none ships for target"),
     (["--json-out", "/nonexistent-folder/r.json"], "--json-out /nonexistent-folder/r.json: its folder does not exist"),
     (["--json-out", "."], "--json-out . is a directory; give a file path"),
+    (["--seed", "-1"], "seed -1 is outside 0..4294967295"),
+    (["--temp", "-1"], "temperature -1.0 is negative"),
 ])
 def test_bench_bad_input_is_one_sentence(tiny_dir, prompt_file, tmp_path, capsys, flags, message):
     assert _bench(tiny_dir, prompt_file, tmp_path / "x.json", *flags) == 2

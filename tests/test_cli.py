@@ -107,6 +107,8 @@ def test_bad_input_is_one_sentence_and_exit_2(preset, capsys, flags, message):
 def test_unknown_preset_and_models_list(capsys):
     assert main(["generate", "--preset", "no-such-model", "--prompt", "hi"]) == 2
     assert "unknown preset 'no-such-model'" in capsys.readouterr().err
+    assert main(["generate", "--preset", "no-such-model", "--prompt", "hi", "--temp", "-1"]) == 2
+    assert "temperature -1.0 is negative" in capsys.readouterr().err  # checked before any loading
     assert main(["models", "list"]) == 0
     assert "smollm2-135m" in capsys.readouterr().out
 

@@ -96,10 +96,12 @@ def run(args: argparse.Namespace) -> None:
     check_out_file("--json-out", args.json_out)
 
     from treespark_jax.bench.compare import check_methods, compare, cpu_model
+    from treespark_jax.decode.engine import check_sampling
     from treespark_jax.files import write_text_atomic
     from treespark_jax.train.prompts import PROMPT_SETS, load_prompts, prompt_ids
 
     check_methods(methods, budgets)
+    check_sampling(args.max_new_tokens, args.temp, 1.0, args.seed)
     split = args.split or ("eval" if args.prompts in PROMPT_SETS else None)
     records = load_prompts(args.prompts, split)[: args.limit]
 

@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> None:
         settings, a bad drafter).
     """
     from treespark_jax.api import load
+    from treespark_jax.decode.engine import check_sampling
 
+    check_sampling(args.max_new_tokens, args.temp, args.top_p, args.seed)  # before the seconds of loading
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
     method = args.method or lm.default_method
     request = dict(chat=args.chat, max_new_tokens=args.max_new_tokens, temp=args.temp, top_p=args.top_p,

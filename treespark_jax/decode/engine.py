@@ -158,18 +158,16 @@ def row_seeds(n_rows: int, seed: int | Sequence[int]) -> list[int]:
     return seeds + [0] * (n_rows - len(seeds))
 
 
-def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temp: float, top_p: float,
-                  context: int, seed: int | Sequence[int] = 0) -> None:
-    """Validates a request before anything runs.
+def check_sampling(max_new_tokens: int, temp: float, top_p: float, seed: int | Sequence[int] = 0,
+                   n_rows: int = 1) -> None:
+    """Validates the settings of a request that do not depend on its prompts (a command line
+    checks them before loading anything).
 
     Raises:
-      ValueError: one sentence naming the value and its limit (empty prompt, prompt + output
-        longer than the context, ``max_new_tokens < 1``, negative temperature, top-p outside
-        ``(0, 1]``, a row's seed outside ``0..MAX_SEED``).
+      ValueError: one sentence naming the value and its limit (``max_new_tokens < 1``, negative
+        temperature, top-p outside ``(0, 1]``, a row's seed outside ``0..MAX_SEED``).
     """
-    if not prompt_lens:
-        raise ValueError("no prompts were given; pass at least one prompt.")
-    bad = next((s for s in row_seeds(len(prompt_lens), seed) if not 0 <= s <= MAX_SEED), None)
+    bad = next((s for s in row_seeds(n_rows, seed) if not 0 <= s <= MAX_SEED), None)
     if bad is not None:
         raise ValueError(f"seed {bad} is outside 0..{MAX_SEED} (prompt i of a batch uses seed + i).")
     if max_new_tokens < 1:
@@ -178,6 +176,19 @@ def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temp: float, 
         raise ValueError(f"temperature {temp} is negative or not finite; use 0 for greedy or a positive value.")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} is outside (0, 1].")
+
+
+def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temp: float, top_p: float,
+                  context: int, seed: int | Sequence[int] = 0) -> None:
+    """Validates a request before anything runs.
+
+    Raises:
+      ValueError: one sentence naming the value and its limit (no prompt, an empty prompt,
+        prompt + output longer than the context, and what ``check_sampling`` refuses).
+    """
+    if not prompt_lens:
+        raise ValueError("no prompts were given; pass at least one prompt.")
+    check_sampling(max_new_tokens, temp, top_p, seed, len(prompt_lens))
     for i, n in enumerate(prompt_lens):
         which = "the prompt" if len(prompt_lens) == 1 else f"prompt {i}"
         if n < 1:

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from treespark_jax.config import default_layer_ids
 from treespark_jax.decode import buckets
-from treespark_jax.decode.engine import Engine, Speculation, check_request
+from treespark_jax.decode.engine import Engine, Speculation, check_sampling
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.models.decoder import Decoder
@@ -193,8 +193,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                              f"{settings.max_new_tokens}, together more than the target's context of "
                              f"{cfg.max_positions} tokens.")
     # The sampling settings too, before the directory is made: a refused run leaves nothing behind.
-    check_request([len(t) for t in tokenized.values()], settings.max_new_tokens, settings.temp, settings.top_p,
-                  cfg.max_positions)
+    check_sampling(settings.max_new_tokens, settings.temp, settings.top_p)
     writer = RolloutWriter(out, {"target": dataclasses.asdict(binding), "layer_ids": list(layer_ids),
                                  "d_model": cfg.d_model, "identity": identity, "trees": spec is not None})
     done = writer.done_prompt_ids
