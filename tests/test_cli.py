@@ -154,7 +154,8 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     assert main(args + ["--out", str(out)]) == 2  # never overwritten
     assert "already exists" in capsys.readouterr().err and out.read_text() == before
     none = tmp_path / "none.jsonl"  # 2-token turns that must end at end-of-turn: none is usable
-    assert main(args[:-4] + ["--max-new-tokens", "2", "--batch-size", "4", "--drop-unfinished", "--out", str(none)]) == 2
+    flags = ["--max-new-tokens", "2", "--batch-size", "4", "--drop-unfinished", "--out", str(none)]
+    assert main(args[:-4] + flags) == 2
     assert "no usable user turn" in capsys.readouterr().err and not none.exists()
     assert not list(tmp_path.glob(".*partial"))
 

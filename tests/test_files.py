@@ -38,3 +38,34 @@ def test_a_missing_directory_is_an_os_error_and_writes_nothing(tmp_path):
     with pytest.raises(FileNotFoundError):
         write_text_atomic(tmp_path / "absent" / "a.json", "x")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lock_refuses_a_second_writer_and_partials_go_only_under_it(tmp_path):
+    from treespark_jax.files import hold_lock, remove_partials
+
+    (tmp_path / ".a.json.1234.partial").write_text("half")
+    (tmp_path / ".drafter.99.partial").mkdir()
+    (tmp_path / "a.json").write_text("whole")
+    release = hold_lock(tmp_path, "rollout directory")
+    with pytest.raises(ValueError, match=r"rollout directory '.*' is being written by another treespark process"):
+        hold_lock(tmp_path, "rollout directory")
+    assert remove_partials(tmp_path, "a.json") == [tmp_path / ".a.json.1234.partial"]
+    assert remove_partials(tmp_path) == [tmp_path / ".drafter.99.partial"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".treespark.lock", "a.json"]
+    release()
+    hold_lock(tmp_path, "rollout directory")()  # free again
+
+
+def test_a_file_system_without_locks_warns_and_goes_on(tmp_path, monkeypatch, caplog):
+    import filelock
+
+    from treespark_jax.files import hold_lock, wait_for_lock
+
+    def unsupported(self, *args, **kwargs):
+        raise NotImplementedError("FileSystem does not appear to support flock")
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", unsupported)
+    with caplog.at_level("WARNING"):
+        hold_lock(tmp_path, "rollout directory")()
+        wait_for_lock(tmp_path / ".x.lock")()
+    assert caplog.text.count("going on without keeping other writers out") == 2

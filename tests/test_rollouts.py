@@ -168,11 +168,12 @@ def test_resume_after_an_interruption_gives_the_same_records(tmp_path, monkeypat
     assert len(json.loads((out / MANIFEST).read_text())["shards"]) == 1
     (out / ".shard-00001.array_record.tmp").write_bytes(b"half a shard")  # killed mid-write
     (out / "shard-00001.array_record").write_bytes(b"renamed, not yet listed")
+    (out / ".manifest.json.0f0f0f0f.partial").write_text("{")  # killed before its rename
     (out / "notes.txt").write_text("the user's own file is left alone")
     run = _write(target, prompts, engine, out)
     assert (run.skipped, run.written_records) == (2, 2)
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "notes.txt", "shard-00000.array_record",
-                                                      "shard-00001.array_record"]
+    assert sorted(p.name for p in out.iterdir()) == [".treespark.lock", "manifest.json", "notes.txt",
+                                                      "shard-00000.array_record", "shard-00001.array_record"]
     resumed, uninterrupted = _records(out), _records(baseline)
     assert [r["prompt_id"] for r in resumed] == [p.id for p in prompts]
     for a, b in zip(resumed, uninterrupted):
@@ -436,3 +437,16 @@ def test_output_paths_that_cannot_be_written_are_one_sentence_errors(tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("treespark: error: ") and err.count("\n") == 1, err
     assert (tmp_path / "f").read_text() == "not a directory"
+
+
+def test_a_second_writer_of_a_rollout_directory_is_refused(tmp_path, target, prompts, engine):
+    from treespark_jax.files import hold_lock
+
+    out = tmp_path / "r"
+    out.mkdir()
+    release = hold_lock(out, "rollout directory")  # as another `treespark rollout --out r` would
+    with pytest.raises(ValueError, match="rollout directory '.*r' is being written by another treespark process"):
+        _write(target, prompts, engine, out)
+    assert [p.name for p in out.iterdir()] == [".treespark.lock"]  # the other writer's files are untouched
+    release()
+    assert _write(target, prompts, engine, out).written_records == len(prompts)

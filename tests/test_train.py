@@ -171,8 +171,7 @@ def test_exact_resume_in_a_new_process(tmp_path, monkeypatch, rollouts):
         return place(local, mesh)
 
     monkeypatch.setattr(loop, "global_batch", crash_at_13)
-    with pytest.raises(KeyboardInterrupt):
-        main(_cli(*common, "--out", parts))
+    assert main(_cli(*common, "--out", parts)) == 130  # Ctrl-C: "treespark: interrupted."
     monkeypatch.undo()
     assert sorted(int(p.name) for p in (parts / "checkpoints").iterdir() if p.name.isdigit()) == [5, 10]
     assert not (parts / "drafter").exists()  # nothing looks finished
@@ -408,3 +407,19 @@ def test_frequency_ranked_draft_vocabulary(tmp_path, target):
     assert coverage(rs, ids[:1], v) == response.max() / response.sum()
     with pytest.raises(ValueError, match="must lie in 1..{}".format(v)):
         frequency_ranked_vocab(rs, v + 1, v)
+
+
+def test_a_second_writer_of_a_run_directory_is_refused_and_partials_go(tmp_path, rollouts, capsys):
+    from treespark_jax.files import hold_lock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".drafter.0badf00d.partial").mkdir()  # a drafter export cut short by kill -9
+    release = hold_lock(out, "training directory")  # as another `treespark train --out run` would
+    assert main(_cli("--rollouts", rollouts, "--loss", "dspark", "--steps", "2", "--out", out)) == 2
+    err = capsys.readouterr().err
+    assert "is being written by another treespark process" in err and err.count("\n") == 1
+    assert not (out / "run.json").exists()
+    release()
+    assert main(_cli("--rollouts", rollouts, "--loss", "dspark", "--steps", "2", "--out", out)) == 0
+    assert not list(out.glob(".*.partial")) and (out / "drafter" / "drafter.json").is_file()

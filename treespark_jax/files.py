@@ -1,4 +1,4 @@
-"""Atomic file writes: a file under its final name is always complete.
+"""Atomic file writes and output locks: a file under its final name is always complete.
 
 Every file the library writes for later reading (asset downloads and their sidecars, cost
 profiles, rollout manifests, training run identities and metric logs, prompt files) is first
@@ -7,15 +7,28 @@ then renamed over the final name with ``os.replace`` (atomic on POSIX and Window
 file system). A crash or an exception leaves either the old file or the new one, never half of
 one, and the partial file is removed on an exception. New files get the usual mode (``0o666``
 less the process umask), unlike ``tempfile.mkstemp``'s ``0o600``.
+
+A process killed outright (``kill -9``) cannot remove its partial file. Whoever next holds the
+output's lock (``hold_lock``: an advisory ``filelock`` lock, so one writer per output at a time)
+removes the leftovers with ``remove_partials``; without the lock a partial file may be another
+process's write in progress.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+import filelock
+
+logger = logging.getLogger(__name__)
+
 PARTIAL_SUFFIX = ".partial"
+LOCK_NAME = ".treespark.lock"  # the lock file inside a locked output directory
 
 
 def create_partial(path: Path) -> tuple[int, Path]:
@@ -52,3 +65,68 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _lock(path: Path, timeout: float) -> Callable[[], None] | None:
+    """Takes the ``filelock`` lock ``path`` within ``timeout`` seconds (``-1``: wait); returns its
+    release, ``None`` when another process holds it, or a no-op release (with a logged warning)
+    on a file system without locks (some network mounts), where writers are not kept apart."""
+    lock = filelock.FileLock(path)
+    try:
+        lock.acquire(timeout=timeout)
+    except filelock.Timeout:
+        return None
+    except (NotImplementedError, OSError) as e:
+        logger.warning("cannot lock %s (%s); going on without keeping other writers out.", path, e)
+        return lambda: None
+    return lock.release
+
+
+def hold_lock(directory: Path, what: str) -> Callable[[], None]:
+    """Takes the exclusive lock of an output directory (``LOCK_NAME`` inside it), without waiting.
+
+    The operating system drops the lock when the process ends, even after ``kill -9``; the lock
+    file itself stays (empty).
+
+    Args:
+      directory: an existing directory.
+      what: how an error names it, e.g. ``"rollout directory"``.
+
+    Returns:
+      The function that releases the lock.
+
+    Raises:
+      ValueError: another process holds the lock (one sentence naming the directory).
+    """
+    release = _lock(directory / LOCK_NAME, timeout=0)
+    if release is None:
+        raise ValueError(f"{what} {str(directory)!r} is being written by another treespark process; wait for "
+                         "it to finish or choose another directory.")
+    return release
+
+
+def wait_for_lock(path: Path) -> Callable[[], None]:
+    """Takes the lock file ``path``, waiting while another process holds it.
+
+    Returns:
+      The function that releases the lock.
+    """
+    return _lock(path, timeout=-1)
+
+
+def remove_partials(directory: Path, name: str | None = None) -> list[Path]:
+    """Removes the partial files (or directories) left in ``directory`` by killed writers: those
+    of ``name`` (``.<name>.*.partial``), or every ``.*.partial`` entry. Call it only while holding
+    the lock that makes this process the directory's (or the name's) only writer.
+
+    Returns:
+      The paths removed.
+    """
+    pattern = f".{name}.*{PARTIAL_SUFFIX}" if name else f".*{PARTIAL_SUFFIX}"
+    removed = sorted(directory.glob(pattern))
+    for path in removed:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return removed

@@ -12,7 +12,8 @@
 Each command module has ``add_parser(sub)`` and ``run(args)``; heavy imports (the API, the
 models, the training loop) happen inside ``run``. Errors a user can cause (bad flags, unknown
 preset, a prompt longer than the context, a corrupt download) are printed as one sentence on
-stderr with exit status 2, never as a traceback.
+stderr with exit status 2, never as a traceback; so are a refused file access (exit 1) and
+Ctrl-C (exit 130).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
       0 on success, 2 when a command raised ``ValueError`` (its message goes to stderr as
       ``treespark: error: ...``), 1 when the file system refused a read or write (``OSError``,
-      one line naming the file). Bad flags exit 2 through argparse (``SystemExit``).
+      one line naming the file), 130 on Ctrl-C (``treespark: interrupted.``). Bad flags exit 2
+      through argparse (``SystemExit``).
     """
     args = _parser().parse_args(argv)
     try:
@@ -58,4 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f" {e.filename}" if e.filename else ""
         print(f"treespark: error: cannot access{where}: {e.strerror or e}.", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what is written is whole (files.py); a rerun resumes or redoes
+        print("treespark: interrupted.", file=sys.stderr)
+        return 130
     return 0

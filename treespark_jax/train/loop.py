@@ -26,6 +26,7 @@ drafter shares frozen; features and ``p_t`` come from the rollouts. For SmolLM2-
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -43,7 +44,7 @@ from jax.sharding import Mesh
 from treespark_jax.config import TrainConfig
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter, warm_start
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
-from treespark_jax.files import write_text_atomic
+from treespark_jax.files import hold_lock, remove_partials, write_text_atomic
 from treespark_jax.methods import drafter_config
 from treespark_jax.sharding import DATA, MeshShape, Partitioner, make_mesh, process_data_block
 from treespark_jax.train.checkpointing import TrainCheckpoints
@@ -180,7 +181,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
       ValueError: (one sentence each) an unknown loss, a ``stop_after`` outside
         ``[1, steps]``, rollouts that are missing, empty, damaged, of another target or layers,
         without trees for ``treespark``, a mesh the devices cannot form, a batch that does not
-        split over the ``data`` axis, or an ``out`` holding a different run.
+        split over the ``data`` axis, an ``out`` holding a different run, or another process
+        training into ``out`` (its lock, ``files.hold_lock``, is held until this returns).
     """
     from treespark_jax.models.load import load_target
 
@@ -217,70 +219,74 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     run_file = out / RUN_FILE
     if run_file.exists():
         _check_same_run(run_file, identity)
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and any(not p.name.startswith(".") for p in out.iterdir()):  # hidden: our lock, partials
         raise ValueError(f"--out {out} holds files but no {RUN_FILE}; choose an empty or new directory.")
     tx = tx or make_optimizer(cfg)  # before anything is written
     schedule = learning_rate(cfg)
     primary = jax.process_index() == 0
     if jax.process_count() > 1:  # every process has checked the directory before the first one writes to it
         multihost_utils.sync_global_devices("treespark train: run directory checked")
-    if primary:
-        out.mkdir(parents=True, exist_ok=True)
-        if not run_file.exists():
-            write_text_atomic(run_file, json.dumps(identity, indent=1))
-
-    graphdef, state = init_state(drafter, tx)
-    ckpts = TrainCheckpoints(out / "checkpoints", keep=cfg.keep)
-    block, blocks = process_data_block(mesh)  # this process's rows of every global batch
-    iterator = data_iterator(train_dataset(rs, cfg, n_trees=cfg.trees if loss == "treespark" else 0, rule=rule, budget=budget,
-                                           process_index=block, process_count=blocks))
-    start = ckpts.latest_step() or 0
-    last_saved: dict[str, Any] = {}
-    if start:  # restored straight into this mesh's layout, whatever mesh saved it
-        state, meta = ckpts.restore(start, rules.abstract(state), iterator)
-        last_saved = meta.get("metrics", {})
-    else:
-        state = rules.place(state)
-    head = jax.device_put(head, replicated(mesh))
-    end = max(start, min(stop_after or cfg.steps, cfg.steps))
-    step_fn = TrainStep(graphdef, tx, loss, loss_cfg, rule, mesh, rules).jitted(state)
-
-    log = MetricsLog(out, start_step=start, total_steps=cfg.steps, progress=progress, enabled=primary)
-    last = last_saved
-    history: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    try:
-        for s in range(start, end):
-            batch = global_batch(next(iterator), mesh)
-            state, metrics = step_fn(state, head, batch)
-            history.append(metrics)
-            log.advance()
-            done = s + 1
-            if done % cfg.log_every == 0 or done == end:
-                host = [_host(m) for m in history]
-                elapsed = time.perf_counter() - t0
-                tokens = sum(float(h.pop("tokens")) for h in host)
-                last = dict(mean_metrics(host), lr=float(schedule(s)), tokens_per_s=tokens / max(elapsed, 1e-9),
-                            epoch=done * cfg.batch / len(rs))
-                log.log(done, last)
-                history, t0 = [], time.perf_counter()
-            if done % cfg.save_every == 0 or done == end:
-                ckpts.save(done, state, iterator, {"step": done, "metrics": last, "records_seen": done * cfg.batch})
-        ckpts.wait()
-    finally:
-        log.close()
-        ckpts.close()
-
-    params = _host(state["params"])
-    finished = end == cfg.steps
-    path = None
-    if finished:
-        path = out / "drafter"
+    with contextlib.ExitStack() as held:  # the directory's lock, released however training ends
         if primary:
-            final = nnx.merge(graphdef, params)
-            training = {"loss": loss, "loss_config": identity["loss_config"], "train": identity["train"],
-                        "rollouts": identity["rollouts"], "records": len(rs), "steps": cfg.steps, "metrics": last,
-                        "init": init}
-            save_drafter(path, final, binding, training=_json(training), overwrite=True)
-    return TrainResult(out=out, start_step=start, step=end, finished=finished, drafter_path=path, metrics=last,
-                       params=params)
+            out.mkdir(parents=True, exist_ok=True)
+            held.callback(hold_lock(out, "training directory"))  # one writer until this returns
+            remove_partials(out)  # a drafter export cut short by a killed run
+            if not run_file.exists():
+                write_text_atomic(run_file, json.dumps(identity, indent=1))
+
+        graphdef, state = init_state(drafter, tx)
+        ckpts = TrainCheckpoints(out / "checkpoints", keep=cfg.keep)
+        block, blocks = process_data_block(mesh)  # this process's rows of every global batch
+        n_trees = cfg.trees if loss == "treespark" else 0
+        iterator = data_iterator(train_dataset(rs, cfg, n_trees=n_trees, rule=rule, budget=budget,
+                                               process_index=block, process_count=blocks))
+        start = ckpts.latest_step() or 0
+        last_saved: dict[str, Any] = {}
+        if start:  # restored straight into this mesh's layout, whatever mesh saved it
+            state, meta = ckpts.restore(start, rules.abstract(state), iterator)
+            last_saved = meta.get("metrics", {})
+        else:
+            state = rules.place(state)
+        head = jax.device_put(head, replicated(mesh))
+        end = max(start, min(stop_after or cfg.steps, cfg.steps))
+        step_fn = TrainStep(graphdef, tx, loss, loss_cfg, rule, mesh, rules).jitted(state)
+
+        log = MetricsLog(out, start_step=start, total_steps=cfg.steps, progress=progress, enabled=primary)
+        last = last_saved
+        history: list[dict[str, Any]] = []
+        t0 = time.perf_counter()
+        try:
+            for s in range(start, end):
+                batch = global_batch(next(iterator), mesh)
+                state, metrics = step_fn(state, head, batch)
+                history.append(metrics)
+                log.advance()
+                done = s + 1
+                if done % cfg.log_every == 0 or done == end:
+                    host = [_host(m) for m in history]
+                    elapsed = time.perf_counter() - t0
+                    tokens = sum(float(h.pop("tokens")) for h in host)
+                    last = dict(mean_metrics(host), lr=float(schedule(s)), tokens_per_s=tokens / max(elapsed, 1e-9),
+                                epoch=done * cfg.batch / len(rs))
+                    log.log(done, last)
+                    history, t0 = [], time.perf_counter()
+                if done % cfg.save_every == 0 or done == end:
+                    ckpts.save(done, state, iterator, {"step": done, "metrics": last, "records_seen": done * cfg.batch})
+            ckpts.wait()
+        finally:
+            log.close()
+            ckpts.close()
+
+        params = _host(state["params"])
+        finished = end == cfg.steps
+        path = None
+        if finished:
+            path = out / "drafter"
+            if primary:
+                final = nnx.merge(graphdef, params)
+                training = {"loss": loss, "loss_config": identity["loss_config"], "train": identity["train"],
+                            "rollouts": identity["rollouts"], "records": len(rs), "steps": cfg.steps, "metrics": last,
+                            "init": init}
+                save_drafter(path, final, binding, training=_json(training), overwrite=True)
+        return TrainResult(out=out, start_step=start, step=end, finished=finished, drafter_path=path, metrics=last,
+                           params=params)

@@ -194,44 +194,45 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                              f"{cfg.max_positions} tokens.")
     # The sampling settings too, before the directory is made: a refused run leaves nothing behind.
     check_sampling(settings.max_new_tokens, settings.temp, settings.top_p)
-    writer = RolloutWriter(out, {"target": dataclasses.asdict(binding), "layer_ids": list(layer_ids),
-                                 "d_model": cfg.d_model, "identity": identity, "trees": spec is not None})
-    done = writer.done_prompt_ids
-    todo = [p for p in prompts if p.id not in done]
-    run = RolloutRun(manifest=writer.manifest, skipped=len(prompts) - len(todo))
-    engine = engine or Engine(target.model, target.tokenizer.stop_ids)
-    stop_ids = set(target.tokenizer.stop_ids)
-    bar = tqdm(total=len(prompts), initial=run.skipped, unit="prompt", desc="rollouts", disable=not progress)
-    with bar:
-        for start in range(0, len(todo), settings.batch_size):
-            batch = todo[start: start + settings.batch_size]
-            ids = [tokenized[p.id] for p in batch]
-            seeds = [prompt_seed(settings.seed, p.set, p.id) for p in batch]
-            t0 = time.perf_counter()
-            if spec is None:
-                outs, _ = engine.generate(ids, settings.max_new_tokens, settings.temp, settings.top_p, seeds)
-                trees = [None] * len(batch)
-            else:
-                outs, _, logs = engine.generate_logged(ids, settings.max_new_tokens, spec, settings.temp,
-                                                       settings.top_p, seeds)
-                rule = "greedy" if settings.temp == 0 else spec.tree.verify
-                trees = [TreeLog(**log, rule=rule, temp=settings.temp) for log in logs]
-            t1 = time.perf_counter()
-            feats = target_features(target.model, [p + o for p, o in zip(ids, outs)], layer_ids)
-            t2 = time.perf_counter()
-            records = [make_record(p + o, len(p), f, h, prompt_set=rec.set, prompt_id=rec.id, seed=s,
-                                   temp=settings.temp, top_p=settings.top_p, finished=bool(o) and o[-1] in stop_ids,
-                                   trees=tree)
-                       for rec, p, o, (f, h), s, tree in zip(batch, ids, outs, feats, seeds, trees)]
-            entry = writer.write_shard(records)
-            t3 = time.perf_counter()
-            run.generate_s, run.features_s, run.write_s = (run.generate_s + t1 - t0, run.features_s + t2 - t1,
-                                                           run.write_s + t3 - t2)
-            run.written_records += entry["records"]
-            run.written_tokens += entry["tokens"]
-            run.written_bytes += entry["bytes"]
-            bar.update(len(batch))
-            bar.set_postfix(tokens=run.written_tokens, MB=f"{run.written_bytes / 1e6:.1f}")
-    run.manifest = writer.manifest
+    header = {"target": dataclasses.asdict(binding), "layer_ids": list(layer_ids), "d_model": cfg.d_model,
+              "identity": identity, "trees": spec is not None}
+    with RolloutWriter(out, header) as writer:  # holds the directory's lock until the last shard
+        done = writer.done_prompt_ids
+        todo = [p for p in prompts if p.id not in done]
+        run = RolloutRun(manifest=writer.manifest, skipped=len(prompts) - len(todo))
+        engine = engine or Engine(target.model, target.tokenizer.stop_ids)
+        stop_ids = set(target.tokenizer.stop_ids)
+        bar = tqdm(total=len(prompts), initial=run.skipped, unit="prompt", desc="rollouts", disable=not progress)
+        with bar:
+            for start in range(0, len(todo), settings.batch_size):
+                batch = todo[start: start + settings.batch_size]
+                ids = [tokenized[p.id] for p in batch]
+                seeds = [prompt_seed(settings.seed, p.set, p.id) for p in batch]
+                t0 = time.perf_counter()
+                if spec is None:
+                    outs, _ = engine.generate(ids, settings.max_new_tokens, settings.temp, settings.top_p, seeds)
+                    trees = [None] * len(batch)
+                else:
+                    outs, _, logs = engine.generate_logged(ids, settings.max_new_tokens, spec, settings.temp,
+                                                           settings.top_p, seeds)
+                    rule = "greedy" if settings.temp == 0 else spec.tree.verify
+                    trees = [TreeLog(**log, rule=rule, temp=settings.temp) for log in logs]
+                t1 = time.perf_counter()
+                feats = target_features(target.model, [p + o for p, o in zip(ids, outs)], layer_ids)
+                t2 = time.perf_counter()
+                records = [make_record(p + o, len(p), f, h, prompt_set=rec.set, prompt_id=rec.id, seed=s,
+                                       temp=settings.temp, top_p=settings.top_p, finished=bool(o) and o[-1] in stop_ids,
+                                       trees=tree)
+                           for rec, p, o, (f, h), s, tree in zip(batch, ids, outs, feats, seeds, trees)]
+                entry = writer.write_shard(records)
+                t3 = time.perf_counter()
+                run.generate_s, run.features_s, run.write_s = (run.generate_s + t1 - t0, run.features_s + t2 - t1,
+                                                               run.write_s + t3 - t2)
+                run.written_records += entry["records"]
+                run.written_tokens += entry["tokens"]
+                run.written_bytes += entry["bytes"]
+                bar.update(len(batch))
+                bar.set_postfix(tokens=run.written_tokens, MB=f"{run.written_bytes / 1e6:.1f}")
+        run.manifest = writer.manifest
     return run
 

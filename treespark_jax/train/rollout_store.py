@@ -40,7 +40,7 @@ from typing import Any
 
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from treespark_jax.files import write_text_atomic
+from treespark_jax.files import hold_lock, remove_partials, write_text_atomic
 from treespark_jax.train.rollout_records import RolloutError, encode_record
 
 __all__ = ["MANIFEST", "RolloutWriter", "read_manifest", "shard_problem"]
@@ -124,18 +124,23 @@ class RolloutWriter:
       header: the manifest fields fixed for the run: ``target`` (TargetBinding fields),
         ``layer_ids``, ``d_model``, ``identity`` (dict) and ``trees`` (bool).
 
-    On an existing directory the header must agree with its manifest (else ``RolloutError``
-    naming the first differing setting); temporary and unlisted shard files are deleted, and
-    listed shards that fail their size or sha256 check are dropped from the manifest so that
-    their prompts are generated again.
+    The writer holds the directory's lock (``files.hold_lock``) while it lives, so a second
+    writer is refused instead of deleting the first one's temporary shards. On an existing
+    directory the header must agree with its manifest (else ``RolloutError`` naming the first
+    differing setting); temporary and unlisted shard files and a killed run's partial files are
+    deleted, and listed shards that fail their size or sha256 check are dropped from the manifest
+    so that their prompts are generated again.
 
     Raises:
       RolloutError: a directory holding other files but no manifest, or another run's settings.
+      ValueError: another process is writing to the directory.
     """
 
     def __init__(self, directory: str | Path, header: dict[str, Any]):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._release = hold_lock(self.directory, "rollout directory")  # one writer until ``close``
+        remove_partials(self.directory)  # a killed run's half-written manifest
         fresh = {"format": FORMAT, "format_version": FORMAT_VERSION, **header, "feature_dtype": "bfloat16",
                  "shards": [], "next_shard": 0}
         if (self.directory / MANIFEST).exists():
@@ -154,6 +159,16 @@ class RolloutWriter:
             if _SHARD_NAME.fullmatch(path.name) and path.name not in listed:
                 path.unlink()
         self._save()
+
+    def close(self) -> None:
+        """Releases the directory's lock (the writer writes no more)."""
+        self._release()
+
+    def __enter__(self) -> "RolloutWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _check_same_run(self, fresh: dict[str, Any]) -> None:
         old = self.manifest
