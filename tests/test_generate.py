@@ -89,6 +89,12 @@ def test_stream_yields_the_same_tokens_as_generate(model):
     assert sum(chunks, []) == eng.generate([PROMPTS[1]], 20)[0][0]
 
 
+def test_the_largest_seeds_run_in_a_padded_batch(model):
+    eng = Engine(model, stop_ids=[])  # 3 prompts pad to 4 rows; row 3 would have seed 2**32
+    outs, _ = eng.generate([[1, 2], [3], [4, 5]], 4, temp=1.0, seed=2**32 - 3)
+    assert [len(o) for o in outs] == [4, 4, 4]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompts=[[]]), "the prompt is empty"),
     (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),

@@ -238,7 +238,9 @@ class Engine:
                  seed: int | Sequence[int]) -> Requests:
         """Per-row request arrays; row ``i`` of a multi-prompt call uses seed ``seed + i``
         unless a list of seeds is given."""
-        seeds = row_seeds(n_rows, seed)
+        # Wrapped into uint32: rows of the padded batch past the prompts may run past MAX_SEED
+        # (``check_request`` has checked the prompts' own rows).
+        seeds = [s % (MAX_SEED + 1) for s in row_seeds(n_rows, seed)]
         return Requests(
             temp=jnp.full((n_rows,), max(temp, 1e-6), jnp.float32),
             top_p=jnp.full((n_rows,), top_p, jnp.float32),
