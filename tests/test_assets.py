@@ -154,6 +154,9 @@ def test_cached_file_is_reused_without_download(tmp_path):
     assert fetch(asset, cache_dir=tmp_path / "cache", downloader=local) == first
     assert local.calls == calls
     assert assets.is_cached(asset, tmp_path / "cache")
+    (tmp_path / "cache" / ".blob.bin.lock").unlink()
+    fetch(asset, cache_dir=tmp_path / "cache", downloader=local)  # a cached file is read without the lock,
+    assert not (tmp_path / "cache" / ".blob.bin.lock").exists()  # so a read-only cache works
 
 
 @pytest.mark.parametrize("damage", ["same_size", "truncated"])

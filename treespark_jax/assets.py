@@ -177,11 +177,13 @@ def fetch(
         wrong size or sha256 (the bad file is removed first).
     """
     path = asset_path(asset, cache_dir)
+    if path.exists() and _cached_file_ok(asset, path, progress):
+        return path  # no lock needed to read (the cache may be read-only)
     path.parent.mkdir(parents=True, exist_ok=True)
     release = wait_for_lock(path.with_name(f".{path.name}.lock"))  # one fetcher per asset at a time
     try:
         if path.exists():
-            if _cached_file_ok(asset, path, progress):  # perhaps fetched by the process we waited for
+            if _cached_file_ok(asset, path, progress):  # fetched by the process we waited for
                 return path
             logger.warning("cached %s failed its size or sha256 check; fetching it again.", path)
             _remove(path)
