@@ -124,8 +124,8 @@ class RolloutWriter:
       header: the manifest fields fixed for the run: ``target`` (TargetBinding fields),
         ``layer_ids``, ``d_model``, ``identity`` (dict) and ``trees`` (bool).
 
-    The writer holds the directory's lock (``files.hold_lock``) while it lives, so a second
-    writer is refused instead of deleting the first one's temporary shards. On an existing
+    The writer holds the directory's lock (``files.hold_lock``) until ``close`` (the end of a
+    ``with`` block), so a second writer is refused instead of deleting the first one's temporary shards. On an existing
     directory the header must agree with its manifest (else ``RolloutError`` naming the first
     differing setting); temporary and unlisted shard files and a killed run's partial files are
     deleted, and listed shards that fail their size or sha256 check are dropped from the manifest
