@@ -285,6 +285,16 @@ def test_edge_head_with_zero_weights_is_platt_scaling_of_q(target32):
     np.testing.assert_allclose(jax.nn.sigmoid(e), jax.nn.sigmoid(a * logq + b), atol=1e-6)
 
 
+def test_a_drafter_serves_its_target_at_a_shorter_context(target32):
+    """The same weights with a smaller ``max_positions`` (e.g. a config.json edited to 256) are the
+    drafter's own target: the context length is not architecture."""
+    short = tiny_decoder("qwen2", seed=2, dtype=jnp.float32, max_positions=64)  # target32's weights
+    drafter = make_drafter(target32)
+    proposer = BlockProposer.create(drafter, short)
+    want = BlockProposer.create(drafter, target32)
+    np.testing.assert_array_equal(proposer.weights.token_terms, want.weights.token_terms)
+
+
 def test_heads_and_configs_reject_bad_settings(target32):
     with pytest.raises(ValueError, match="n_layers=6"):
         DrafterConfig(target_layer_ids=(0,), n_layers=6)
@@ -297,8 +307,12 @@ def test_heads_and_configs_reject_bad_settings(target32):
     with pytest.raises(ValueError, match="pool_size=98"):
         BlockDrafter(DrafterConfig(target_layer_ids=(0,), pool_size=98), target32.cfg, rngs=nnx.Rngs(0))
     other = tiny_decoder("llama", dtype=jnp.float32)
-    with pytest.raises(ValueError, match="built for target"):
+    with pytest.raises(ValueError, match=r"another target architecture: family \(qwen2 vs llama\) in the"):
         BlockProposer.create(make_drafter(target32), other)
+    wider = tiny_decoder("qwen2", dtype=jnp.float32, mlp_dim=96)
+    with pytest.raises(ValueError, match=r"architecture: mlp_dim \(80 vs 96\) in the drafter's target") as e:
+        BlockProposer.create(make_drafter(target32), wider)
+    assert "ModelConfig(" not in str(e.value)
     drafter = make_drafter(target32, confidence_head=False)
     with pytest.raises(ValueError, match="confidence head"):
         drafter.confidence_logits(jnp.zeros((1, 4, 48)), jnp.zeros((1, 4), jnp.int32),

@@ -130,11 +130,17 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     assert jax.device_count() == 8
     report = {}
 
-    # Greedy speculative decoding, data=2 x model=4 against one device (float64, random drafter).
+    # Greedy speculative decoding, data=2 x model=4 against one device (float64). The drafter has
+    # every head and a draft vocabulary, and comes back from a checkpoint as a trained one does
+    # (restored arrays sit committed on one device).
+    from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter
     target = tiny_decoder("qwen3", seed=1)
     drafter = BlockDrafter(DrafterConfig(target_layer_ids=(0, 2), n_layers=2, block_size=6, pool_size=16,
                                          markov_rank=4, edge_head=True, confidence_head=True),
                            target.cfg, rngs=nnx.Rngs(0), std=0.3, dtype=target.dtype)
+    binding = TargetBinding.for_config(target.cfg, "tiny", "0" * 64)
+    drafter = drafter.with_draft_vocab(np.random.default_rng(0).permutation(target.cfg.vocab_size)[:40])
+    drafter, _ = load_drafter(save_drafter(Path(sys.argv[4]) / "drafter", drafter, binding), binding)
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
     one = Engine(target, stop_ids=[])
     ar, _ = one.generate(SPEC_PROMPTS, 40)
@@ -404,27 +410,36 @@ PRESET_SCRIPT = textwrap.dedent("""
 
     prompts = ["def fibonacci(n):", "List the planets of the solar system in order from the Sun:",
                "Once upon a time, in a small village by the sea,", "The capital of France is"]
+    # The default method (treespark) with its shipped drafter on both meshes, and the other
+    # shipped drafters (dflash, dspark) on the larger one: each carries a draft vocabulary.
+    runs = {"data=2": [None], "data=2,model=4": [None, "dflash", "dspark"]}
     one = ts.load("smollm2-135m", mesh="data=1")
-    mesh = ts.load("smollm2-135m", mesh="data=2,model=4")
-    a = one.generate(prompts, max_new_tokens=24, method="treespark", drafter="random", budget=8)
-    b = mesh.generate(prompts, max_new_tokens=24, method="treespark", drafter="random", budget=8)
-    report = []
-    for x, y in zip(a, b):
-        d = first_divergence(one.target.model, x.prompt_ids, x.token_ids, y.token_ids)
-        report.append(None if d is None else {"near_tie": bool(d.near_tie), **{k: str(v) for k, v in vars(d).items()}})
+    want = {m: one.generate(prompts, max_new_tokens=24, method=m) for m in runs["data=2,model=4"]}
+    report = {}
+    for shape, methods in runs.items():
+        mesh = ts.load("smollm2-135m", mesh=shape)
+        for method in methods:
+            got = mesh.generate(prompts, max_new_tokens=24, method=method)
+            for x, y in zip(want[method], got):
+                d = first_divergence(one.target.model, x.prompt_ids, x.token_ids, y.token_ids)
+                report.setdefault(f"{shape} {method or 'default'}", []).append(
+                    None if d is None else {"near_tie": bool(d.near_tie), **{k: str(v) for k, v in vars(d).items()}})
     print(json.dumps(report))
 """)
 
 
 @pytest.mark.slow
 @pytest.mark.multidevice
-def test_default_preset_on_a_data2_model4_mesh_equals_one_device_up_to_near_ties(smollm2_gguf):
+def test_shipped_drafters_on_data2_and_data2_model4_meshes_equal_one_device_up_to_near_ties(smollm2_gguf):
     """float32 real weights: a sharded greedy speculative run may only differ at reported near-ties."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", TREESPARK_JAX_CACHE="off")
     proc = subprocess.run([sys.executable, "-c", PRESET_SCRIPT], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 4
-    for d in report:
-        assert d is None or d["near_tie"], d
+    assert sorted(report) == ["data=2 default", "data=2,model=4 default", "data=2,model=4 dflash",
+                              "data=2,model=4 dspark"], report
+    for rows in report.values():
+        assert len(rows) == 4
+        for d in rows:
+            assert d is None or d["near_tie"], d

@@ -63,6 +63,14 @@ class ModelConfig:
         """Builds a config with the family switches (``qkv_bias``, ``qk_norm``) implied by ``family``."""
         return cls(family=family, qkv_bias=family == "qwen2", qk_norm=family == "qwen3", **fields)
 
+    def architecture_difference(self, other: "ModelConfig") -> str | None:
+        """The first field in which ``other`` has another architecture, as ``"name (mine vs
+        other's)"``, or ``None``. The context length (``max_positions``) is not architecture: the
+        same weights served with a shorter context are the same model."""
+        return next((f"{f.name} ({getattr(self, f.name)} vs {getattr(other, f.name)})"
+                     for f in dataclasses.fields(self)
+                     if f.name != "max_positions" and getattr(self, f.name) != getattr(other, f.name)), None)
+
 
 BUILDERS: tuple[str, ...] = ("chain", "marginal", "parent_conditioned", "treespark")
 LOSSES: tuple[str, ...] = ("dflash", "dspark", "treespark")

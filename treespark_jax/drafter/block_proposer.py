@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from treespark_jax.config import DrafterConfig
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
@@ -26,6 +28,14 @@ from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.tree.proposal import Proposal
 from treespark_jax.typing import Array, Float, Int
+
+
+def _replicated_like(x: jax.Array) -> jax.sharding.Sharding:
+    """A sharding that puts any array whole on the devices ``x`` is on."""
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    return sharding
 
 
 @struct.dataclass
@@ -86,12 +96,17 @@ class BlockProposer:
           ValueError: when the drafter was built for a different target architecture, or
             ``depth`` is outside ``1..block_size``.
         """
-        if drafter.target_cfg != target.cfg:
-            raise ValueError(f"the drafter was built for target {drafter.target_cfg}, not for {target.cfg}.")
+        if difference := drafter.target_cfg.architecture_difference(target.cfg):
+            raise ValueError(f"the drafter was built for another target architecture: {difference} in the "
+                             "drafter's target and the given one.")
         if depth is not None and not 1 <= depth <= drafter.cfg.block_size:
             raise ValueError(f"depth={depth} must lie in 1..{drafter.cfg.block_size}, the drafter's block size.")
-        graphdef, params = nnx.split(drafter)
         head = TargetHead.of(target, drafter.dtype)
+        # A restored drafter lives on one device, a target on a mesh may not: bring the drafter
+        # to the head's devices so the derived arrays below can be computed from both.
+        graphdef, params = nnx.split(drafter)
+        params = jax.device_put(params, _replicated_like(head.embed))
+        drafter = nnx.merge(graphdef, params)
         draft_head = None if drafter.draft_vocab is None else head.restricted(drafter.draft_vocab[...])
         return cls(cfg=drafter.cfg, graphdef=graphdef,
                    weights=DrafterWeights(params=params, head=head, token_terms=drafter.token_terms(head),
