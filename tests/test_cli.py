@@ -104,6 +104,33 @@ def test_bad_input_is_one_sentence_and_exit_2(preset, capsys, flags, message):
     assert err.startswith("treespark: error: ") and message in err and "\n" not in err
 
 
+def test_a_corrupt_drafter_is_refused_in_one_line_and_the_process_exits_cleanly(preset, tmp_path):
+    """Flipped bytes in a shipped drafter's largest parameter file: named by its checksum before
+    Orbax reads it, so no TensorStore callbacks fail at exit."""
+    import shutil
+    import subprocess
+    import sys
+
+    from test_drafter_checkpoint import _flip_bytes
+
+    from treespark_jax.drafters import shipped_drafter
+
+    bad = tmp_path / "treespark"
+    shutil.copytree(shipped_drafter(preset, "treespark"), bad)
+    _flip_bytes(bad)
+    proc = subprocess.run([sys.executable, "-m", "treespark_jax.cli", "generate", "--preset", preset, "--prompt", "Hi",
+                           "--max-new-tokens", "2", "--drafter", str(bad)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"treespark: error: drafter checkpoint {bad} is corrupt: params/{_largest(bad)} does not match the "
+        "sha256 recorded in drafter.json (copy or train it again)."], proc.stderr
+
+
+def _largest(path) -> str:
+    params = path / "params"
+    return max((f for f in params.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size).relative_to(params).as_posix()
+
+
 def test_unknown_preset_and_models_list(capsys):
     assert main(["generate", "--preset", "no-such-model", "--prompt", "hi"]) == 2
     assert "unknown preset 'no-such-model'" in capsys.readouterr().err

@@ -178,8 +178,10 @@ def test_damaged_checkpoints_raise_a_clear_error(tmp_path, saved, binding):
                             (lambda p: (p / "drafter.json").write_text("{\"format_vers"), "corrupt drafter.json"),
                             (lambda p: _edit_json(p, format_version=99), "format version 99"),
                             (lambda p: _edit_json(p, drafter={"n_layers": 2}), "invalid drafter.json"),
-                            (lambda p: shutil.rmtree(p / "params"), "missing or corrupt parameters"),
-                            (_truncate_params, "missing or corrupt parameters")):
+                            (lambda p: _edit_json(p, params_sha256=None), "invalid drafter.json"),
+                            (lambda p: shutil.rmtree(p / "params"), "missing its parameter file params/"),
+                            (_truncate_params, "is corrupt: params/.* does not match the sha256"),
+                            (_flip_bytes, "is corrupt: params/.* does not match the sha256")):
         path = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
         shutil.copytree(saved, path)
         damage(path)
@@ -198,6 +200,36 @@ def _truncate_params(path: Path):
     assert data
     for f in data:
         f.write_bytes(f.read_bytes()[:10])
+
+
+def _flip_bytes(path: Path):
+    """Flips 16 bytes in the middle of the largest parameter file (its size is unchanged)."""
+    f = max((f for f in (path / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid: mid + 16] = bytes(b ^ 0xFF for b in data[mid: mid + 16])
+    f.write_bytes(bytes(data))
+
+
+def test_a_format_1_checkpoint_without_checksums_loads_with_a_warning(tmp_path, saved, binding, drafter, caplog):
+    path = tmp_path / "v1"
+    shutil.copytree(saved, path)
+    meta = json.loads((path / "drafter.json").read_text())
+    del meta["params_sha256"]
+    (path / "drafter.json").write_text(json.dumps(dict(meta, format_version=1)))
+    loaded, got = load_drafter(path, binding)
+    assert got.params_sha256 is None and "records no checksums" in caplog.text
+    np.testing.assert_array_equal(loaded.fc[...], drafter.fc[...])
+
+
+def test_shipped_drafters_record_and_pass_their_checksums():
+    from treespark_jax.drafter.checkpoint import params_sha256
+    from treespark_jax.drafters import shipped_drafter
+
+    for loss in ("dflash", "dspark", "treespark"):
+        path = shipped_drafter("smollm2-135m", loss)
+        recorded = read_meta(path).params_sha256
+        assert recorded and recorded == params_sha256(path / "params"), loss
 
 
 def test_warm_start_copies_shared_parameters_and_keeps_new_heads_fresh():

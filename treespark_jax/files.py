@@ -16,11 +16,12 @@ process's write in progress.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import filelock
@@ -29,6 +30,24 @@ logger = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".partial"
 LOCK_NAME = ".treespark.lock"  # the lock file inside a locked output directory
+
+
+_CHUNK = 1 << 20  # bytes per read while hashing
+
+
+def sha256_files(paths: Iterable[str | Path]) -> str:
+    """Lowercase hex sha256 of the concatenated bytes of ``paths``, in the order given, streamed
+    in 1 MiB chunks (one path: that file's sha256).
+
+    Raises:
+      OSError: a path that cannot be read.
+    """
+    hasher = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                hasher.update(chunk)
+    return hasher.hexdigest()
 
 
 def create_partial(path: Path) -> tuple[int, Path]:

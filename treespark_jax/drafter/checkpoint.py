@@ -3,20 +3,23 @@
 A checkpoint is a directory::
 
     <path>/drafter.json   format version, DrafterConfig, the target binding, the target's
-                          ModelConfig, the parameter dtype, and the trainer's ``training`` dict
+                          ModelConfig, the parameter dtype, the sha256 of every file under
+                          params/, and the trainer's ``training`` dict
     <path>/params/        the drafter's ``nnx.state`` as a pure dict, written by Orbax
 
 A drafter is only meaningful next to the target whose features, embedding and LM head it was
 trained on, so the binding (family, vocabulary, width, layer count, weights sha256) is checked on
-load. Saving builds the directory under a hidden temporary sibling and moves it into place with
+load; so are the parameter files' sha256, before Orbax reads them, so flipped, truncated or
+missing bytes are named instead of decoding silently with damaged weights (format 1 checkpoints,
+written before the checksums, load with a warning). Saving builds the directory under a hidden temporary sibling and moves it into place with
 ``os.replace``, so ``<path>`` either holds a complete checkpoint or does not exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -30,14 +33,17 @@ from flax import nnx
 
 from treespark_jax.config import DrafterConfig, ModelConfig
 from treespark_jax.drafter.model import BlockDrafter
+from treespark_jax.files import sha256_files
 from treespark_jax.models.presets import PRESETS
 
 if TYPE_CHECKING:
     from treespark_jax.models.load import Target
 
-FORMAT_VERSION = 1
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2  # 2: drafter.json records the sha256 of every parameter file
+READ_VERSIONS = (1, 2)
 _SHAPE_FIELDS = ("family", "vocab_size", "d_model", "n_layers")  # a mismatch can never load
-_CHUNK = 1 << 20  # bytes per read while hashing
 
 
 def _first_difference(a, b, fields: tuple[str, ...]) -> str | None:
@@ -57,12 +63,13 @@ def weights_sha256(path: Path) -> str:
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files:
         raise ValueError(f"directory {str(path)!r} has no *.safetensors files to hash.")
-    hasher = hashlib.sha256()
-    for file in files:
-        with open(file, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                hasher.update(chunk)
-    return hasher.hexdigest()
+    return sha256_files(files)
+
+
+def params_sha256(params: Path) -> dict[str, str]:
+    """The sha256 of every file under a checkpoint's ``params`` directory, keyed by its POSIX path
+    relative to that directory."""
+    return {f.relative_to(params).as_posix(): sha256_files([f]) for f in sorted(params.rglob("*")) if f.is_file()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +120,8 @@ class DrafterMeta:
       target_cfg: that target's full architecture (the drafter layers copy its shapes).
       dtype: parameter dtype name at save time, e.g. ``"float32"``.
       training: the trainer's dict (loss name, config, final losses), verbatim, or ``None``.
+      params_sha256: ``params_sha256`` of the parameter files at save time; ``None`` in a
+        format 1 checkpoint, which predates it.
     """
 
     cfg: DrafterConfig
@@ -120,6 +129,7 @@ class DrafterMeta:
     target_cfg: ModelConfig
     dtype: str
     training: dict | None
+    params_sha256: dict[str, str] | None = None
 
 
 def _writer() -> ocp.StandardCheckpointer:
@@ -161,7 +171,7 @@ def save_drafter(path: str | Path, drafter: BlockDrafter, binding: TargetBinding
             "target": dataclasses.asdict(binding), "target_config": dataclasses.asdict(drafter.target_cfg),
             "dtype": jnp.dtype(drafter.dtype).name, "training": training}
     try:
-        text = json.dumps(meta, indent=2)
+        json.dumps(meta)
     except (TypeError, ValueError) as e:
         raise ValueError(f"the training dict is not JSON-serialisable ({e}).") from e
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +182,8 @@ def save_drafter(path: str | Path, drafter: BlockDrafter, binding: TargetBinding
         with _writer() as ckptr:
             ckptr.save(tmp / "params", nnx.to_pure_dict(nnx.state(drafter)))
             ckptr.wait_until_finished()
-        (tmp / "drafter.json").write_text(text)  # last: a directory without it is incomplete
+        meta["params_sha256"] = params_sha256(tmp / "params")
+        (tmp / "drafter.json").write_text(json.dumps(meta, indent=2))  # last: without it, incomplete
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
@@ -199,18 +210,40 @@ def read_meta(path: str | Path) -> DrafterMeta:
                          ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"drafter checkpoint {path} has a corrupt drafter.json ({e}).") from e
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        version = meta.get("format_version") if isinstance(meta, dict) else None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version not in READ_VERSIONS:
         raise ValueError(f"drafter checkpoint {path} has format version {version!r}; this version reads "
-                         f"{FORMAT_VERSION}.")
+                         f"{' and '.join(map(str, READ_VERSIONS))}.")
     try:
+        digests = meta["params_sha256"] if version >= 2 else None
+        if version >= 2 and not (isinstance(digests, dict) and digests
+                                 and all(isinstance(v, str) for v in digests.values())):
+            raise ValueError("params_sha256 is not a mapping of file names to sha256 strings")
         return DrafterMeta(cfg=DrafterConfig(**meta["drafter"]), binding=TargetBinding(**meta["target"]),
                            target_cfg=ModelConfig(**meta["target_config"]),
                            dtype=jnp.dtype(meta["dtype"]).name,
-                           training=meta.get("training"))
+                           training=meta.get("training"), params_sha256=digests)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"drafter checkpoint {path} has an invalid drafter.json "
                          f"({type(e).__name__}: {e}).") from e
+
+
+def _check_params(path: Path, digests: dict[str, str] | None) -> None:
+    """Compares the parameter files with the sha256 ``drafter.json`` records (before Orbax reads
+    them: a damaged file is named here, not deep inside TensorStore)."""
+    if digests is None:
+        logger.warning("drafter checkpoint %s (format 1) records no checksums of its parameters; "
+                       "damaged files cannot be detected (re-save it to add them).", path)
+        return
+    for name, want in digests.items():
+        file = path / "params" / name
+        try:
+            got = sha256_files([file])
+        except OSError:
+            raise ValueError(f"drafter checkpoint {path} is missing its parameter file params/{name}.") from None
+        if got != want:
+            raise ValueError(f"drafter checkpoint {path} is corrupt: params/{name} does not match the sha256 "
+                             "recorded in drafter.json (copy or train it again).")
 
 
 def _check_binding(saved: TargetBinding, given: TargetBinding, path: Path, strict: bool) -> None:
@@ -239,12 +272,14 @@ def load_drafter(path: str | Path, target: Target | TargetBinding, *, dtype=None
 
     Raises:
       ValueError: any ``read_meta`` error, a binding mismatch (naming the field and both values),
-        or missing, truncated or mis-shaped parameters.
+        a parameter file missing or unlike its recorded sha256, or parameters Orbax cannot
+        restore into the drafter's shapes.
     """
     path = Path(path).absolute()
     meta = read_meta(path)
     given = target if isinstance(target, TargetBinding) else TargetBinding.of(target)
     _check_binding(meta.binding, given, path, strict)
+    _check_params(path, meta.params_sha256)
     dtype = getattr(jnp, meta.dtype) if dtype is None else dtype  # jnp.float32, as elsewhere
     abstract = nnx.eval_shape(lambda: BlockDrafter(meta.cfg, meta.target_cfg, rngs=nnx.Rngs(0), dtype=dtype))
     graphdef, state = nnx.split(abstract)

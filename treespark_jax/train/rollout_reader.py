@@ -16,7 +16,7 @@ import numpy as np
 
 from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.train.rollout_records import RolloutError, decode_record
-from treespark_jax.train.rollout_store import COMPARED, read_manifest, shard_problem
+from treespark_jax.train.rollout_store import COMPARED, prompt_tokens, read_manifest, shard_problem
 
 __all__ = ["RolloutSet", "open_rollouts"]
 
@@ -33,6 +33,7 @@ def _differs(a: TargetBinding, b: TargetBinding) -> str | None:
 class _Shard:
     path: str
     records: int
+    shortest_prompt: int | None  # None: listed before manifests recorded it
 
 
 class RolloutSet:
@@ -95,7 +96,7 @@ class RolloutSet:
                 if problem := shard_problem(d, s, sha256=verify == "sha256"):
                     raise RolloutError(f"rollout shard {str(d / s['file'])!r} {problem}; re-run the same "
                                        "`treespark rollout` command to regenerate it.")
-                self._shards.append(_Shard(str(d / s["file"]), s["records"]))
+                self._shards.append(_Shard(str(d / s["file"]), s["records"], s.get("shortest_prompt")))
         self._starts = np.cumsum([0] + [s.records for s in self._shards])
         self._source = None
 
@@ -113,6 +114,15 @@ class RolloutSet:
     def tokens(self) -> int:
         """Tokens over all records (prompt and response)."""
         return sum(m["tokens"] for m in self.manifests)
+
+    @property
+    def shortest_prompt(self) -> int:
+        """Fewest tokens before a record's first response token, over all records (from the
+        manifests; a shard listed without the count is read once to find it)."""
+        counts = [s.shortest_prompt if s.shortest_prompt is not None
+                  else min(prompt_tokens(self[i]) for i in range(start, start + s.records))
+                  for s, start in zip(self._shards, self._starts)]
+        return min(counts)
 
     def __len__(self) -> int:
         return int(self._starts[-1])

@@ -23,14 +23,15 @@ file not listed (a temporary, or a shard renamed just before a crash) is discard
     identity                  what a resumed run must repeat exactly: prompt source, split,
                               split seed, eval size, chat, generation settings, drafter
     trees                     whether records carry verified trees (on-policy rollouts)
-    shards                    [{file, records, tokens, response_tokens, bytes, sha256, prompt_ids}]
+    shards                    [{file, records, tokens, response_tokens, bytes, sha256, prompt_ids,
+                                shortest_prompt}]; shortest_prompt: fewest tokens before a record's
+                                first response token (absent in shards written before it existed)
     records, tokens, response_tokens, bytes    totals
     next_shard                number of the next shard file (a listed shard's name is never reused)
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -38,9 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from treespark_jax.files import hold_lock, remove_partials, write_text_atomic
+from treespark_jax.files import hold_lock, remove_partials, sha256_files, write_text_atomic
 from treespark_jax.train.rollout_records import RolloutError, encode_record
 
 __all__ = ["MANIFEST", "RolloutWriter", "read_manifest", "shard_problem"]
@@ -49,16 +51,13 @@ MANIFEST = "manifest.json"
 FORMAT, FORMAT_VERSION = "treespark-rollouts", 1
 WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access without decoding neighbours
 COMPARED = ("family", "vocab_size", "d_model", "n_layers", "weights_sha256")  # the name is not
-_CHUNK = 1 << 20
 _SHARD_NAME = re.compile(r"\.?shard-\d{5,}\.array_record(\.tmp)?")
 
 
-def _sha256(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            hasher.update(chunk)
-    return hasher.hexdigest()
+def prompt_tokens(record: dict[str, Any]) -> int:
+    """Tokens of ``record`` before its first response token (all of them when it has none)."""
+    mask = np.asarray(record["loss_mask"], bool)
+    return int(np.argmax(mask)) if mask.any() else len(mask)
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
@@ -102,7 +101,7 @@ def shard_problem(directory: Path, shard: dict[str, Any], sha256: bool) -> str |
     size = path.stat().st_size
     if size != shard["bytes"]:
         return f"has {size} bytes but the manifest records {shard['bytes']} (truncated or overwritten)"
-    if sha256 and _sha256(path) != shard["sha256"]:
+    if sha256 and sha256_files([path]) != shard["sha256"]:
         return "does not match its recorded sha256 (corrupted)"
     try:
         reader = ArrayRecordReader(str(path))
@@ -202,8 +201,9 @@ class RolloutWriter:
         tokens = sum(len(r["tokens"]) for r in records)
         response = sum(int(r["loss_mask"].sum()) for r in records)
         entry = {"file": name, "records": len(records), "tokens": tokens, "response_tokens": response,
-                 "bytes": final.stat().st_size, "sha256": _sha256(final),
-                 "prompt_ids": [r["prompt_id"] for r in records]}
+                 "bytes": final.stat().st_size, "sha256": sha256_files([final]),
+                 "prompt_ids": [r["prompt_id"] for r in records],
+                 "shortest_prompt": min(prompt_tokens(r) for r in records)}
         self.manifest["shards"].append(entry)
         self.manifest["next_shard"] += 1
         self._save()
