@@ -9,6 +9,7 @@ explicit numpy block decoders below, written from the block layouts in ggml's
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -284,6 +285,24 @@ def test_read_gguf_every_type_in_a_model(tmp_path):
     for name, want in expected.items():
         assert weights[name].flags.c_contiguous
         np.testing.assert_allclose(weights[name], want, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_a_truncated_gguf_names_the_first_missing_tensor(tmp_path):
+    cfg = tiny_cfg("qwen3")
+    tensors, _ = random_model(cfg, np.random.default_rng(3))
+    whole = write_gguf(tmp_path / "m.gguf", "qwen3", gguf_metadata(cfg), tensors)
+    reader = gguf.GGUFReader(whole)
+    cut = reader.tensors[len(reader.tensors) // 2]
+    half = tmp_path / "half.gguf"
+    half.write_bytes(whole.read_bytes()[: int(cut.data_offset) + int(cut.n_bytes) // 2])
+    size = half.stat().st_size
+    with pytest.raises(ValueError, match=rf"GGUF file {half} is truncated or corrupt: tensor {re.escape(cut.name)} "
+                                         rf"lies past the end of its {size:,} bytes\."):
+        read_gguf(half)
+    head = tmp_path / "head.gguf"
+    head.write_bytes(whole.read_bytes()[:64])
+    with pytest.raises(ValueError, match=r"\(64 bytes\) is truncated or corrupt: its header does not parse"):
+        read_gguf(head)
 
 
 def test_read_gguf_dtype(tmp_path):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from treespark_jax.config import ModelConfig
 from treespark_jax.models.decoder import Decoder
-from treespark_jax.models.load_gguf import read_gguf
+from treespark_jax.models.load_gguf import open_gguf, read_gguf
 from treespark_jax.models.load_hf import load_hf_config, load_hf_weights
 from treespark_jax.models.presets import resolve_target
 from treespark_jax.models.tokenizer import Tokenizer
@@ -62,7 +61,7 @@ def load_target(preset_or_path: str, dtype: str = "float32") -> Target:
         weights = load_hf_weights(path, cfg, np_dtype)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
-        reader = gguf.GGUFReader(path)
+        reader = open_gguf(path)
         cfg, weights, _ = read_gguf(path, np_dtype, reader)
         tokenizer = Tokenizer.from_gguf(reader)
     model = Decoder(cfg, weights, DTYPES[dtype])

@@ -50,6 +50,45 @@ _GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
+class _TruncatedTensor(Exception):
+    """Raised by ``_Reader`` with the name of the first tensor whose bytes the file lacks."""
+
+
+class _Reader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` that, when its tensors do not fit in the file, finds the first one
+    that does not (by building them one at a time with the library's own code)."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        try:
+            super()._build_tensors(start_offs, fields)
+        except (ValueError, IndexError):
+            for field in fields:
+                try:
+                    super()._build_tensors(start_offs, [field])
+                except (ValueError, IndexError):
+                    raise _TruncatedTensor(str(bytes(field.parts[1]), encoding="utf-8")) from None
+            raise
+
+
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """Opens a GGUF file with ``gguf.GGUFReader`` (memory-mapped; nothing is dequantized yet).
+
+    Raises:
+      ValueError: a file too short for its own header or tensors (truncated, e.g. an interrupted
+        copy) or whose header does not parse, naming the file, its size and the first tensor
+        whose bytes are missing.
+    """
+    size = Path(path).stat().st_size
+    try:
+        return _Reader(path)
+    except _TruncatedTensor as e:
+        raise ValueError(f"GGUF file {path} is truncated or corrupt: tensor {e} lies past the end of its "
+                         f"{size:,} bytes.") from None
+    except (ValueError, IndexError, UnicodeDecodeError) as e:
+        raise ValueError(f"GGUF file {path} ({size:,} bytes) is truncated or corrupt: its header does not "
+                         f"parse ({type(e).__name__}: {e}).") from None
+
+
 def read_gguf(
     path: str | Path, dtype: DTypeLike = np.float32, reader: gguf.GGUFReader | None = None
 ) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, str | None]]:
@@ -75,12 +114,13 @@ def read_gguf(
       None}``.
 
     Raises:
-      ValueError: on an architecture other than llama/qwen2/qwen3, missing or unsupported
+      ValueError: on a truncated or corrupt file (``open_gguf``), an architecture other than
+        llama/qwen2/qwen3, missing or unsupported
         metadata (RoPE scaling, partial rotary, per-layer head counts, value width differing
         from key width), a tensor of an unsupported quantization type or with an unknown name,
         or (from ``check_weights``) a missing or mis-shaped weight.
     """
-    reader = reader or gguf.GGUFReader(path)
+    reader = reader or open_gguf(path)
     cfg = _config(reader, path)
     weights = {}
     for tensor in reader.tensors:
