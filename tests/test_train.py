@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -220,18 +221,35 @@ def _assert_clean_error(capsys, rc: int, out: Path, *words: str) -> None:
     assert not (out / "checkpoints").exists() and not (out / "drafter").exists()
 
 
+def test_the_shortest_prompt_comes_from_the_manifest_or_from_older_shards_records(tmp_path, rollouts):
+    from treespark_jax.train.rollout_store import prompt_tokens
+
+    want = min(prompt_tokens(r) for r in open_rollouts(rollouts))
+    assert open_rollouts(rollouts).shortest_prompt == want
+    old = tmp_path / "old"
+    shutil.copytree(rollouts, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        del shard["shortest_prompt"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert open_rollouts(old).shortest_prompt == want
+
+
 def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, tiny_dir, rollouts, other_rollouts):
     other_hf, other = other_rollouts
     out = tmp_path / "out"
     base = ["--out", out, "--steps", "3"]
     empty = tmp_path / "empty"
     empty.mkdir()
+    shortest = open_rollouts(rollouts).shortest_prompt
     cases = [
         (["--rollouts", other, "--loss", "dspark", "--target", tiny_dir], ("target", "sha256")),
         (["--rollouts", empty, "--loss", "dspark"], ("empty",)),
         (["--rollouts", rollouts, "--loss", "eagle"], ("eagle", "dflash, dspark, treespark")),
         (["--rollouts", rollouts, "--loss", "treespark"], ("treespark", "trees")),
         (["--rollouts", rollouts, "--loss", "dspark", "--mesh", "data=2"], ("data=2",)),
+        (["--rollouts", rollouts, "--loss", "dspark", "--seq-len", str(shortest)],
+         (f"--seq-len {shortest} leaves no response token", f"use --seq-len {shortest + 1}")),
     ]
     for args, words in cases:
         _assert_clean_error(capsys, main(_cli(*args, *base)), out, *words)

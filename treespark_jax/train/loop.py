@@ -180,6 +180,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     Raises:
       ValueError: (one sentence each) an unknown loss, a ``stop_after`` outside
         ``[1, steps]``, rollouts that are missing, empty, damaged, of another target or layers,
+        a ``seq_len`` that cuts every record before its first response token,
         without trees for ``treespark``, a mesh the devices cannot form, a batch that does not
         split over the ``data`` axis, an ``out`` holding a different run, or another process
         training into ``out`` (its lock, ``files.hold_lock``, is held until this returns).
@@ -203,6 +204,10 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     loaded = load_target(target or manifest["target"]["name"], dtype)
     binding = TargetBinding.of(loaded)
     rs = open_rollouts(dirs, expect=binding)
+    if cfg.seq_len <= rs.shortest_prompt:
+        raise ValueError(f"--seq-len {cfg.seq_len} leaves no response token to train on: every prompt in the "
+                         f"rollouts has at least {rs.shortest_prompt} tokens; use --seq-len {rs.shortest_prompt + 1} "
+                         "or more.")
     rule, budget = tree_layout(rs) if loss == "treespark" else (None, 1)
     jdtype = getattr(jax.numpy, dtype)
     drafter = _drafter(loss, loaded, binding, rs, init, drafter_fields or {}, jdtype, cfg.seed)
