@@ -86,17 +86,3 @@ def test_bench_bad_input_is_one_sentence(tiny_dir, prompt_file, tmp_path, capsys
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "x.json").exists()
-
-
-def test_map_count_shortfall_names_the_limit_and_the_remedy(tmp_path, monkeypatch):
-    from treespark_jax.bench import compare
-
-    limit = tmp_path / "max_map_count"
-    limit.write_text("65530\n")
-    monkeypatch.setattr(compare, "MAP_COUNT", limit)
-    assert compare.map_count_shortfall(3) is None  # 12,000 maps fit
-    sentence = compare.map_count_shortfall(25)
-    assert "25 (method, budget) rows" in sentence and "vm.max_map_count of 65,530" in sentence
-    assert "sudo sysctl -w vm.max_map_count=262144" in sentence
-    monkeypatch.setattr(compare, "MAP_COUNT", tmp_path / "not-linux")
-    assert compare.map_count_shortfall(25) is None

@@ -367,9 +367,9 @@ def test_one_program_per_budget_for_a_generation_with_the_drafter(target64):
     proposer = BlockProposer.create(make_drafter(target64, block_size=6), target64)
     spec = Speculation(proposer, TreeConfig(budget=8, max_depth=6, branch=4, builder="treespark"))
     eng.generate([[3, 1, 4]], 128, spec=spec)
-    before = engine_mod._spec_program._cache_size()
+    before = engine_mod._spec_program.cache_size()
     ids, stats = eng.generate([[2, 7, 1, 8, 2]], 128, spec=spec)
     assert len(ids[0]) == 128 and stats.compiles == 0
     eng.generate([[2, 7, 1, 8, 2]], 128, spec=Speculation(proposer, TreeConfig(
         budget=16, max_depth=6, branch=4, builder="treespark")))
-    assert engine_mod._spec_program._cache_size() == before + 1
+    assert engine_mod._spec_program.cache_size() == before + 1

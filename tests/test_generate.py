@@ -57,13 +57,13 @@ def test_max_new_tokens_is_exact(model, n):
 def test_decode_loop_compiles_once_for_256_tokens_and_prefill_once_per_bucket(model):
     eng = Engine(model, stop_ids=[])
     eng.generate([[3, 1, 4]], 256)  # warm: one prefill and one loop program for these buckets
-    prefill_before = engine_mod._prefill_program._cache_size()
-    loop_before = engine_mod._ar_program._cache_size()
+    prefill_before = engine_mod._prefill_program.cache_size()
+    loop_before = engine_mod._ar_program.cache_size()
     ids, stats = eng.generate([[2, 7, 1, 8, 2, 8]], 256)  # other length, same prompt bucket
     assert len(ids[0]) == 256 and stats.target_forwards == 256
     assert stats.compiles == 0
-    assert engine_mod._prefill_program._cache_size() == prefill_before
-    assert engine_mod._ar_program._cache_size() == loop_before
+    assert engine_mod._prefill_program.cache_size() == prefill_before
+    assert engine_mod._ar_program.cache_size() == loop_before
 
 
 def test_warmup_compiles_ahead_so_requests_do_not(model):

@@ -166,12 +166,12 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
 
     # One program per maximum budget under sharding, whatever the generation length.
     engine.generate([[3, 1, 4]], 128, spec=spec)
-    before = engine_mod._spec_program._cache_size()
+    before = engine_mod._spec_program.cache_size()
     long_ids, long_stats = engine.generate([[2, 7, 1, 8, 2]], 128, spec=spec)
     report["long"] = [len(long_ids[0]), long_stats.compiles]
     engine.generate([[2, 7, 1, 8, 2]], 128, spec=Speculation(spec.proposer, TreeConfig(
         budget=32, max_depth=6, branch=4, builder="treespark")))
-    report["new_budget_programs"] = engine_mod._spec_program._cache_size() - before
+    report["new_budget_programs"] = engine_mod._spec_program.cache_size() - before
 
     # The API on a mesh (what `treespark generate --mesh` runs): the same replies as one device.
     from treespark_jax.api import load

@@ -156,13 +156,13 @@ def test_one_program_per_budget_for_a_long_generation(model):
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
     spec = Speculation(RandomProposer(V, 8, 48, 4), tree)
     eng.generate([[3, 1, 4]], 256, spec=spec)
-    before = engine_mod._spec_program._cache_size()
+    before = engine_mod._spec_program.cache_size()
     ids, stats = eng.generate([[2, 7, 1, 8, 2]], 256, spec=spec)
     assert len(ids[0]) == 256 and stats.compiles == 0
     assert len([r for r in stats.rung_rounds if r]) >= 1
     eng.generate([[2, 7, 1, 8, 2]], 256, spec=Speculation(spec.proposer, TreeConfig(
         budget=32, max_depth=6, branch=4, builder="treespark")))
-    assert engine_mod._spec_program._cache_size() == before + 1
+    assert engine_mod._spec_program.cache_size() == before + 1
 
 
 def test_tree_rows_equal_autoregressive_logits_along_each_path(model):

@@ -1,8 +1,11 @@
 """Methods × budgets against autoregressive decoding, in one process (``treespark bench``).
 
-For every prompt and repeat, AR runs first and then every (method, budget) on the same prompt,
-so slow drifts of the machine (thermal, other jobs) hit AR and the methods alike. A row
-reports (DESIGN.md §4):
+Budgets are measured one after another; within a budget, for every prompt and repeat, AR runs
+first and then every method at that budget on the same prompt, so slow drifts of the machine
+(thermal, other jobs) hit AR and the methods alike, and only one budget's programs need to stay
+compiled at a time (``decode/programs.py`` releases older ones: a process holds a bounded number).
+A method's speedup is taken against the AR runs interleaved with its budget. A row reports
+(DESIGN.md §4):
 
 - ``tau``: committed tokens per drafted round (one target forward verifying a drafted tree),
   bonus included, pooled over all rounds of all prompts and repeats; ``skipped``: the share of
@@ -28,9 +31,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import statistics
-import warnings
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -93,12 +94,6 @@ def check_methods(methods: Sequence[str], budgets: Sequence[int]) -> None:
         check_budget(b)
 
 
-MAPS_PER_ROW = 4_000
-"""Memory regions XLA's CPU backend maps for one (method, budget)'s compiled programs, measured at
-temp 1 with jax 0.10.2 on ``smollm2-135m`` (≈ 3,700 at temp 0)."""
-MAP_COUNT = Path("/proc/sys/vm/max_map_count")
-
-
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux, where ``platform.processor()`` is often
     empty), else whatever ``platform`` knows."""
@@ -108,24 +103,6 @@ def cpu_model() -> str:
     except OSError:
         names = []
     return names[0] if names else platform.processor() or platform.machine()
-
-
-def map_count_shortfall(rows: int) -> str | None:
-    """One sentence when ``rows`` (method, budget) rows, whose programs a benchmark keeps alive to
-    interleave them, may need more memory maps than this Linux process may hold; else ``None``.
-
-    Past ``vm.max_map_count`` XLA's CPU compiler dies with "LLVM ERROR: Unable to allocate section
-    memory". Only the CPU backend on Linux is checked.
-    """
-    if jax.default_backend() != "cpu" or not MAP_COUNT.is_file():
-        return None
-    need, limit = rows * MAPS_PER_ROW, int(MAP_COUNT.read_text())
-    if need <= limit:
-        return None
-    return (f"{rows} (method, budget) rows kept compiled in one process may need about {need:,} memory maps, "
-            f"above this machine's vm.max_map_count of {limit:,}; raise it with "
-            f"`sudo sysctl -w vm.max_map_count={max(2 * need, 262_144)}` (past the limit XLA's CPU compiler "
-            "dies with 'LLVM ERROR: Unable to allocate section memory').")
 
 
 def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[str], budgets: Sequence[int], *,
@@ -143,7 +120,7 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
       budgets: maximum drafted nodes per round N.
       temp: temperature (0 = greedy; at temp > 0 AR and each method sample with ``seed``).
       max_new_tokens: cap per reply (a reply may end earlier at a stop token).
-      repeats: passes over the prompts (AR and every row interleaved in each pass).
+      repeats: passes over the prompts per budget (AR and that budget's rows interleaved in each pass).
       seed: sampling seed.
       drafters: drafter per method (checkpoint path or ``"random"``); default the shipped ones.
       builder, verify: override the tree builder / verify rule of every drafter method (ablations
@@ -152,7 +129,7 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
         method's default (on).
       stop: the cost-aware stop of every drafter method (``methods.speculation``); ``None`` keeps
         each recipe's, ``False`` makes every row verify its whole budget (τ at equal budget).
-      progress: called with a short line after each prompt of each repeat.
+      progress: called with a short line after each prompt of each repeat of each budget.
 
     Returns:
       One dict per row, ``ar`` first: ``method``, ``budget`` (``None`` for ``ar``), ``temp``,
@@ -179,35 +156,38 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
             specs[(m, b)] = lm.speculation(m, b, drafter=drafters.get(m) if block else None,
                                            builder=builder if block else None, verify=verify if block else None,
                                            skip=skip, stop=stop if block else None)
-    if shortfall := map_count_shortfall(len(specs) + 1):
-        warnings.warn(shortfall, stacklevel=2)
     engine = lm.engine
-    ar, rows = _Tally(), {key: _Tally() for key in specs}
+    ar = _Tally()  # every AR run, pooled: the ar row
+    group_ar = {b: _Tally() for b in budgets}  # the AR runs interleaved with budget b's rows
+    rows = {key: _Tally() for key in specs}
 
-    def run(p, spec, tally, late=False):
+    def run(p, spec, tallies, late=False):
         ids, stats = engine.generate([p], max_new_tokens, temp, 1.0, seed, spec)
-        tally.add(stats, ids[0], late)
+        for tally in tallies:
+            tally.add(stats, ids[0], late)
 
     warm = _Tally()
-    run(prompts[0], None, warm)  # compile AR once, outside the measurements
+    run(prompts[0], None, [warm])  # compile AR once, outside the measurements
     ar.compiles = warm.compiles
-    for key, spec in specs.items():
-        run(prompts[0], spec, warm := _Tally())
-        rows[key].compiles = warm.compiles
-    for r in range(repeats):
-        for i, p in enumerate(prompts):
-            run(p, None, ar, r > 0)
-            for key, spec in specs.items():
-                run(p, spec, rows[key], r > 0)
-            if progress:
-                progress(f"repeat {r + 1}/{repeats}, prompt {i + 1}/{len(prompts)}")
+    for b in budgets if specs else budgets[:1]:  # one budget at a time: its rows' programs stay compiled together
+        group = [key for key in specs if key[1] == b]
+        for key in group:
+            run(prompts[0], specs[key], [warm := _Tally()])
+            rows[key].compiles = warm.compiles
+        for r in range(repeats):
+            for i, p in enumerate(prompts):
+                run(p, None, [ar, group_ar[b]], r > 0)
+                for key in group:
+                    run(p, specs[key], [rows[key]], r > 0)
+                if progress:
+                    progress(f"budget {b}: repeat {r + 1}/{repeats}, prompt {i + 1}/{len(prompts)}")
 
     results = []
     if "ar" in methods:
         results.append(_row("ar", None, temp, ar, ar, lm, prompts, repeats))
     for (m, b), tally in rows.items():
         spec = specs[(m, b)]
-        results.append(_row(m, b, temp, tally, ar, lm, prompts, repeats)
+        results.append(_row(m, b, temp, tally, group_ar[b], lm, prompts, repeats)
                        | {"builder": spec.tree.builder, "verify": spec.tree.verify if temp > 0 else "greedy",
                           "stop": spec.tree.stop, "skip": spec.tree.skip})
     return results

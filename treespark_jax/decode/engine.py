@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -28,10 +27,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from treespark_jax.config import TreeConfig
-from treespark_jax.decode import buckets
+from treespark_jax.decode import buckets, programs
 from treespark_jax.decode.ar import ar_loop
 from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
 from treespark_jax.decode.prefill import prefill
+from treespark_jax.decode.programs import Program
 from treespark_jax.decode.skip import SkipState
 from treespark_jax.decode.speculative import SpecConfig, SpecState, SpecStats, spec_loop
 from treespark_jax.decode.state import GenState, Requests
@@ -48,24 +48,21 @@ def _pin(layout: Partitioner | None, tree):
     return tree if layout is None else layout.constrain(tree)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "out_size", "greedy", "layout"))
-def _prefill_program(graphdef, weights, tokens, prompt_lens, active, requests, *, capacity,
-                     out_size, greedy, layout=None) -> GenState:
+def _prefill(graphdef, weights, tokens, prompt_lens, active, requests, *, capacity, out_size, greedy,
+             layout=None) -> GenState:
     model = nnx.merge(graphdef, weights)
     state, _ = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
                        out_size=out_size, greedy=greedy)
     return _pin(layout, state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "layout"), donate_argnames=("state",))
-def _ar_program(graphdef, weights, state, requests, stop_after, *, greedy, layout=None) -> GenState:
+def _ar(graphdef, weights, state, requests, stop_after, *, greedy, layout=None) -> GenState:
     return ar_loop(nnx.merge(graphdef, weights), state, requests, stop_after, greedy,
                    constrain=None if layout is None else layout.constrain)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg", "capacity", "out_size", "layout"))
-def _spec_prefill_program(graphdef, weights, tokens, prompt_lens, active, requests, proposer_weights,
-                          *, proposer, cfg, capacity, out_size, layout=None) -> SpecState:
+def _spec_prefill(graphdef, weights, tokens, prompt_lens, active, requests, proposer_weights,
+                  *, proposer, cfg, capacity, out_size, layout=None) -> SpecState:
     model = nnx.merge(graphdef, weights)
     gen, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
                        out_size=out_size, greedy=cfg.greedy, layer_ids=proposer.layer_ids)
@@ -78,18 +75,21 @@ def _spec_prefill_program(graphdef, weights, tokens, prompt_lens, active, reques
     return _pin(layout, SpecState(gen=gen, proposer=pstate, stats=stats, log=log, skip=skip))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "proposer", "cfg", "layout"), donate_argnames=("state",))
-def _spec_program(graphdef, weights, state, requests, stop_after, *, proposer, cfg, layout=None) -> SpecState:
+def _spec(graphdef, weights, state, requests, stop_after, *, proposer, cfg, layout=None) -> SpecState:
     return spec_loop(nnx.merge(graphdef, weights), proposer, cfg, state, requests, stop_after,
                      constrain=None if layout is None else layout.constrain)
 
 
-_PROGRAMS = (_prefill_program, _ar_program, _spec_prefill_program, _spec_program)
+_prefill_program = Program(_prefill, ("graphdef", "capacity", "out_size", "greedy", "layout"))
+_ar_program = Program(_ar, ("graphdef", "greedy", "layout"), donate_argnames=("state",))
+_spec_prefill_program = Program(_spec_prefill, ("graphdef", "proposer", "cfg", "capacity", "out_size", "layout"))
+_spec_program = Program(_spec, ("graphdef", "proposer", "cfg", "layout"), donate_argnames=("state",))
 
 
 def compiled_programs() -> int:
-    """Programs compiled so far by the decode entry points (a process-wide counter)."""
-    return sum(p._cache_size() for p in _PROGRAMS)
+    """Programs compiled so far by the decode entry points (a process-wide counter, programs
+    released since by ``decode/programs.py`` included)."""
+    return programs.compiled()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,123 @@
+"""The decode programs a process keeps compiled, released least recently used past a bound.
+
+XLA's CPU backend maps memory regions for every executable it keeps: about 2,000 per decode
+program of ``smollm2-135m`` (measured with jax 0.10.2: 4,100 more regions after one prefill and
+one speculative round program), and Linux lets a process hold ``vm.max_map_count`` regions
+(65,530 by default). Past that, LLVM cannot place code sections and the process dies
+("LLVM ERROR: Unable to allocate section memory"). ``jax.jit`` keeps every executable of a
+function as long as the function lives, so a process that runs many (method, budget, batch)
+settings (a notebook of ablations, ``treespark bench``) died after about a dozen of them.
+
+So each decode program is a :class:`Program`: one ``jax.jit`` per setting of its static
+arguments, all programs sharing one least-recently-used order. After a call that compiled, while
+the process holds more than :data:`MAP_SHARE` of its allowed regions, the settings used longest
+ago are released (their ``jit`` caches cleared, which frees the executables; measured: back to
+the regions held before they compiled) and compile again if they come back. Only Linux counts
+regions (``/proc/self/maps``); elsewhere nothing is released.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+
+MAP_LIMIT_FILE = Path("/proc/sys/vm/max_map_count")
+MAPS_FILE = Path("/proc/self/maps")
+MAP_SHARE = 0.5
+"""Share of ``vm.max_map_count`` the decode programs may fill before old ones are released
+(the rest is headroom for the next compile, whose regions are mapped before it can be counted,
+and for every other program of the process)."""
+
+_LIVE: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()  # (program, key) → jit, oldest first
+_released = 0  # executables freed so far (so ``compiled`` counts every compilation, freed or not)
+
+
+def mapped_regions() -> int | None:
+    """Memory regions this process maps now (``/proc/self/maps`` lines), ``None`` off Linux."""
+    try:
+        with open(MAPS_FILE, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def region_limit() -> int | None:
+    """Regions the decode programs may fill: :data:`MAP_SHARE` of ``vm.max_map_count``, ``None``
+    where there is no such limit to read."""
+    try:
+        return int(MAP_SHARE * int(MAP_LIMIT_FILE.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def live() -> int:
+    """Executables the decode programs hold now."""
+    return sum(j._cache_size() for j in _LIVE.values())
+
+
+def compiled() -> int:
+    """Executables the decode programs compiled so far in this process (released ones included)."""
+    return _released + live()
+
+
+def release_oldest(keep: Callable | None = None) -> int:
+    """Releases the least recently used setting's executables, never ``keep``'s.
+
+    Returns:
+      The number of executables freed (0 when nothing but ``keep`` is live).
+    """
+    global _released
+    for key, jitted in _LIVE.items():
+        if jitted is not keep:
+            n = jitted._cache_size()
+            jitted.clear_cache()
+            del _LIVE[key]
+            _released += n
+            return n
+    return 0
+
+
+def _bound(keep: Callable) -> None:
+    limit = region_limit()
+    while limit is not None and (mapped_regions() or 0) > limit and release_oldest(keep):
+        pass
+
+
+class Program:
+    """A decode program: ``fn`` jitted once per setting of its static arguments.
+
+    Called like ``jax.jit(fn, static_argnames=..., donate_argnames=...)`` would be; the settings
+    of all programs share the release order of the module docstring.
+
+    Args:
+      fn: the pure function.
+      static_argnames: its static arguments (hashable; one ``jit`` per distinct setting).
+      donate_argnames: buffers donated to the call.
+    """
+
+    def __init__(self, fn: Callable, static_argnames: Sequence[str], donate_argnames: Sequence[str] = ()):
+        self.fn, self.static, self.donate = fn, tuple(static_argnames), tuple(donate_argnames)
+        self.signature = inspect.signature(fn)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)
+        key = (self, tuple(bound.arguments.get(n) for n in self.static))
+        jitted = _LIVE.pop(key, None)
+        if jitted is None:  # its own function object: jit's caches are keyed by the function
+            jitted = jax.jit(functools.partial(self.fn), static_argnames=self.static, donate_argnames=self.donate)
+        _LIVE[key] = jitted  # now the most recently used
+        before = jitted._cache_size()
+        out = jitted(*args, **kwargs)
+        if jitted._cache_size() > before:
+            _bound(keep=jitted)
+        return out
+
+    def cache_size(self) -> int:
+        """Executables of this program held now."""
+        return sum(j._cache_size() for (p, _), j in _LIVE.items() if p is self)
