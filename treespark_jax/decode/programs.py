@@ -28,10 +28,13 @@ import jax
 
 MAP_LIMIT_FILE = Path("/proc/sys/vm/max_map_count")
 MAPS_FILE = Path("/proc/self/maps")
-MAP_SHARE = 0.5
-"""Share of ``vm.max_map_count`` the decode programs may fill before old ones are released
-(the rest is headroom for the next compile, whose regions are mapped before it can be counted,
-and for every other program of the process)."""
+MAP_SHARE = 0.75
+"""Share of ``vm.max_map_count`` the process may fill before old decode programs are released.
+The rest is headroom for the next compile, whose regions are mapped before they can be counted
+(2,000–3,000 for one program of ``smollm2-135m``), and for the process's other programs. At 0.5,
+``treespark bench``'s 14 programs of one budget did not fit and were compiled again on every
+prompt; at 0.75 they do: the default bench (7 methods × 4 budgets, 2 GSM8K prompts, 16 tokens)
+peaked at 52,386 regions and compiled nothing after its warm-up."""
 
 _LIVE: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()  # (program, key) → jit, oldest first
 _released = 0  # executables freed so far (so ``compiled`` counts every compilation, freed or not)
