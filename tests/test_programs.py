@@ -25,6 +25,19 @@ def _spec(budget: int) -> Speculation:
 def _release_all() -> None:
     while programs.release_oldest():
         pass
+    assert programs.live() == 0
+
+
+def test_settings_emptied_by_jax_clear_caches_do_not_stop_the_release(engine):
+    """``jax.clear_caches`` (the test suite calls it between modules) empties settings that stay
+    listed; releasing must go past them to the settings compiled since."""
+    import jax
+
+    engine.generate(SPEC_PROMPTS, 8, spec=_spec(BUDGETS[0]))
+    jax.clear_caches()
+    engine.generate(SPEC_PROMPTS, 8, spec=_spec(BUDGETS[1]))
+    assert programs.live() == 2
+    _release_all()
 
 
 @pytest.mark.skipif(programs.mapped_regions() is None, reason="counts memory regions in /proc/self/maps")

@@ -68,21 +68,21 @@ def compiled() -> int:
     return _released + live()
 
 
-def release_oldest(keep: Callable | None = None) -> int:
-    """Releases the least recently used setting's executables, never ``keep``'s.
+def release_oldest(keep: Callable | None = None) -> bool:
+    """Releases the least recently used setting and its executables (it may hold none, e.g.
+    after ``jax.clear_caches``), never ``keep``.
 
     Returns:
-      The number of executables freed (0 when nothing but ``keep`` is live).
+      Whether a setting was released (False when nothing but ``keep`` is left).
     """
     global _released
     for key, jitted in _LIVE.items():
         if jitted is not keep:
-            n = jitted._cache_size()
+            _released += jitted._cache_size()
             jitted.clear_cache()
             del _LIVE[key]
-            _released += n
-            return n
-    return 0
+            return True
+    return False
 
 
 def _bound(keep: Callable) -> None:
