@@ -181,7 +181,8 @@ def test_damaged_checkpoints_raise_a_clear_error(tmp_path, saved, binding):
                             (lambda p: _edit_json(p, params_sha256=None), "invalid drafter.json"),
                             (lambda p: shutil.rmtree(p / "params"), "missing its parameter file params/"),
                             (_truncate_params, "is corrupt: params/.* does not match the sha256"),
-                            (_flip_bytes, "is corrupt: params/.* does not match the sha256")):
+                            (_flip_bytes, "is corrupt: params/.* does not match the sha256"),
+                            (_unlist_and_truncate, "is corrupt: params/.* does not match the sha256")):
         path = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
         shutil.copytree(saved, path)
         damage(path)
@@ -200,6 +201,15 @@ def _truncate_params(path: Path):
     assert data
     for f in data:
         f.write_bytes(f.read_bytes()[:10])
+
+
+def _unlist_and_truncate(path: Path):
+    """Drops the largest file's record from drafter.json, then truncates that file."""
+    meta = json.loads((path / "drafter.json").read_text())
+    f = max((f for f in (path / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    del meta["params_sha256"][f.relative_to(path / "params").as_posix()]
+    (path / "drafter.json").write_text(json.dumps(meta))
+    f.write_bytes(f.read_bytes()[:10])
 
 
 def _flip_bytes(path: Path):
