@@ -50,8 +50,8 @@ def mapped_regions() -> int | None:
 
 
 def region_limit() -> int | None:
-    """Regions the decode programs may fill: :data:`MAP_SHARE` of ``vm.max_map_count``, ``None``
-    where there is no such limit to read."""
+    """Regions the process may map before old decode programs are released: :data:`MAP_SHARE` of
+    ``vm.max_map_count``, ``None`` where there is no such limit to read."""
     try:
         return int(MAP_SHARE * int(MAP_LIMIT_FILE.read_text()))
     except (OSError, ValueError):
