@@ -1,14 +1,23 @@
-"""Train-step throughput of the default preset's drafter, and the share of this machine's matmul peak.
+"""Train-step cost of the default preset's drafter: the whole vocabulary against a draft vocabulary.
 
 The step is the real one of ``treespark train`` (``train/step.py``: packed drafter forward over
 ``A`` anchors per sequence, the loss, gradients, AdamW), jitted with donated state on one
-device. Its FLOPs come from XLA's cost analysis of the compiled step; the machine's peak is the
-median FLOP/s of a float32 ``N×N @ N×N`` matmul measured in the same process. Rollout content does
-not change the cost, so the records are the target's features of random token sequences.
+device, run side by side in one process on the same batch:
+
+- ``whole vocabulary``: both LM heads (the drafter's and the target's, recomputed for ``p_t``)
+  over all ``V`` columns — the step as it was before draft-vocabulary training (commit e910eea;
+  the same operations: ``draft_head=None`` keeps them);
+- ``draft vocabulary K``: both heads over the ``K`` columns inference drafts from, the target
+  normalised by the logsumexp the rollout stores (``train/objective.py``).
+
+FLOPs come from XLA's cost analysis of each compiled step; the machine's peak is the median
+FLOP/s of a float32 ``N×N @ N×N`` matmul measured in the same process. Rollout content does not
+change the cost, so the records are the target's features of random token sequences, and the
+draft vocabulary is the first ``K`` ids. Steps of the two variants alternate, medians reported.
 
 Usage:
   python experiments/bench_train.py [--preset smollm2-135m] [--loss dspark] [--batch 4]
-      [--seq-len 512] [--anchors 16] [--steps 5] [--matmul 2048]
+      [--seq-len 512] [--anchors 16] [--draft-vocab 8192] [--steps 5] [--matmul 2048]
       [--json-out experiments/results/bench_train.json]
 """
 
@@ -34,7 +43,7 @@ from treespark_jax.train.losses import LossConfig
 from treespark_jax.train.optim import make_optimizer
 from treespark_jax.train.parallel import data_mesh
 from treespark_jax.train.rollout_records import make_record
-from treespark_jax.train.rollout_run import target_features
+from treespark_jax.train.rollout_run import record_arrays
 from treespark_jax.train.step import TrainStep, init_state
 
 
@@ -65,6 +74,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--anchors", type=int, default=16)
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="K of the draft-vocabulary step")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--matmul", type=int, default=2048)
     parser.add_argument("--json-out", default="experiments/results/bench_train.json")
@@ -74,45 +84,60 @@ def main() -> None:
     drafter = BlockDrafter(drafter_config(args.loss, target.cfg), target.cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, target.cfg.vocab_size, args.seq_len).tolist() for _ in range(args.batch)]
-    records = [make_record(s, args.seq_len // 4, f, h, prompt_set="random", prompt_id=str(i), seed=0, temp=0.0,
+    records = [make_record(s, args.seq_len // 4, *f, prompt_set="random", prompt_id=str(i), seed=0, temp=0.0,
                            top_p=1.0, finished=False)
-               for i, (s, (f, h)) in enumerate(zip(seqs, target_features(target.model, seqs, drafter.cfg.target_layer_ids)))]
+               for i, (s, f) in enumerate(zip(seqs, record_arrays(target.model, seqs, [args.seq_len // 4] * args.batch,
+                                                                  drafter.cfg.target_layer_ids)))]
     batch = jax.tree.map(jnp.asarray, batch_from_records(records, seq_len=args.seq_len, n_anchors=args.anchors, rng=rng))
     cfg = TrainConfig(steps=1000, batch=args.batch, seq_len=args.seq_len, anchors=args.anchors)
     tx = make_optimizer(cfg)
-    graphdef, state = init_state(drafter, tx)
+    graphdef, state0 = init_state(drafter, tx)
     head = TargetHead.of(target.model, drafter.dtype)
     del target
+    variants = {"whole vocabulary": None,
+                f"draft vocabulary {args.draft_vocab}": head.restricted(np.arange(args.draft_vocab))}
     step = TrainStep(graphdef, tx, args.loss, LossConfig(), None, data_mesh(1)).jitted()
-    compiled = step.lower(state, head, batch).compile()
-    flops = compiled_flops(compiled)
-    state, metrics = compiled(state, head, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, head, batch)
+    runs = {}
+    for name, draft_head in variants.items():
+        state = jax.tree.map(jnp.copy, state0)
+        compiled = step.lower(state, head, batch, draft_head).compile()
+        state, metrics = compiled(state, head, batch, draft_head)  # warm-up
         jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
+        runs[name] = {"compiled": compiled, "state": state, "draft_head": draft_head, "times": []}
+    for _ in range(args.steps):  # interleaved, so load from elsewhere hits both alike
+        for run in runs.values():
+            t0 = time.perf_counter()
+            run["state"], metrics = run["compiled"](run["state"], head, batch, run["draft_head"])
+            jax.block_until_ready(metrics)
+            run["times"].append(time.perf_counter() - t0)
     peak = matmul_flops_per_s(args.matmul)
     slots = int(np.sum(np.asarray(batch.anchors) >= 0)) * drafter.cfg.block_size
-    row = {"preset": args.preset, "loss": args.loss, "batch": args.batch, "seq_len": args.seq_len,
-           "anchors": args.anchors, "block_size": drafter.cfg.block_size, "step_s": step_s,
-           "step_s_iqr": float(np.subtract(*np.percentile(times, [75, 25]))),
-           "sequence_tokens_per_s": args.batch * args.seq_len / step_s, "block_slots_per_s": slots / step_s,
-           "step_gflop": flops / 1e9, "achieved_gflop_per_s": flops / step_s / 1e9,
-           "matmul_peak_gflop_per_s": peak / 1e9, "fraction_of_peak": flops / step_s / peak,
-           "device": jax.devices()[0].device_kind}
+    rows = []
+    for name, run in runs.items():
+        step_s, flops = statistics.median(run["times"]), compiled_flops(run["compiled"])
+        rows.append({"variant": name, "step_s": step_s,
+                     "step_s_iqr": float(np.subtract(*np.percentile(run["times"], [75, 25]))),
+                     "sequence_tokens_per_s": args.batch * args.seq_len / step_s, "block_slots_per_s": slots / step_s,
+                     "step_gflop": flops / 1e9, "achieved_gflop_per_s": flops / step_s / 1e9,
+                     "fraction_of_peak": flops / step_s / peak})
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = base["step_s"] / row["step_s"]
+        row["flop_ratio"] = base["step_gflop"] / row["step_gflop"] if row["step_gflop"] else None
     print(f"{args.preset} {args.loss} drafter, batch {args.batch} × {args.seq_len} tokens, {args.anchors} anchors "
-          f"× γ {drafter.cfg.block_size}, on {row['device']}")
-    print(f"step {1e3 * step_s:.0f} ms (±{1e3 * row['step_s_iqr']:.0f} IQR), {row['sequence_tokens_per_s']:.0f} "
-          f"sequence tokens/s, {row['block_slots_per_s']:.0f} trained block slots/s")
-    print(f"{row['step_gflop']:.1f} GFLOP/step → {row['achieved_gflop_per_s']:.1f} GFLOP/s = "
-          f"{100 * row['fraction_of_peak']:.0f}% of the measured {args.matmul}² matmul peak "
-          f"({row['matmul_peak_gflop_per_s']:.1f} GFLOP/s)")
+          f"× γ {drafter.cfg.block_size}, on {jax.devices()[0].device_kind}; {args.steps} interleaved steps each, "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.matmul}²)")
+    print(f"{'variant':<24} {'step ms':>8} {'IQR':>5} {'GFLOP':>7} {'GFLOP/s':>8} {'peak':>5} {'tokens/s':>9} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['variant']:<24} {1e3 * r['step_s']:8.0f} {1e3 * r['step_s_iqr']:5.0f} {r['step_gflop']:7.1f} "
+              f"{r['achieved_gflop_per_s']:8.1f} {100 * r['fraction_of_peak']:4.0f}% {r['sequence_tokens_per_s']:9.0f} "
+              f"{r['speedup']:7.2f}×")
+    out = {"preset": args.preset, "loss": args.loss, "batch": args.batch, "seq_len": args.seq_len,
+           "anchors": args.anchors, "block_size": drafter.cfg.block_size, "draft_vocab": args.draft_vocab,
+           "steps": args.steps, "matmul_peak_gflop_per_s": peak / 1e9, "device": jax.devices()[0].device_kind,
+           "rows": rows}
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps(row, indent=2))
+    Path(args.json_out).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

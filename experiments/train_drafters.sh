@@ -2,14 +2,16 @@
 # Trained drafters for the smollm2-135m preset (DESIGN.md §1.4, issue 6), stage by stage:
 #   1. rollouts of the target on the training prompts (HumanEval, GSM8K, MT-Bench train splits, and
 #      with SELF > 0 that many chat prompts the target writes itself: `treespark self-prompts`)
-#   2. a dflash drafter and a dspark drafter on the same data for the same steps
+#   2. a dflash drafter and a dspark drafter on the same data for the same steps, each trained on its
+#      draft vocabulary (the DRAFT_VOCAB most frequent tokens of the training rollouts)
 #   3. on-policy rollouts with the dspark drafter (every verified tree logged)
-#   4. a treespark drafter warm-started from the dspark one, trained on the on-policy trees
+#   4. a treespark drafter warm-started from the dspark one (and its draft vocabulary), trained on the
+#      on-policy trees
 #      (of the $ONPOLICY sets; plain rollouts of the others, whose tree slots stay empty)
 #   5. offline evaluation of all three on the held-out (eval) split
 #   (ablate: treespark loss-term ablation for experiments/RESULTS.md; not in the default stages)
-#   6. export: the three drafters in bfloat16, drafting from the DRAFT_VOCAB most frequent tokens of the
-#      training rollouts, into treespark_jax/drafters/smollm2-135m/ (shipped with the package)
+#   6. export: the three drafters in bfloat16 into treespark_jax/drafters/smollm2-135m/ (shipped with
+#      the package)
 # Every stage resumes where it stopped when the script is run again (rollouts skip finished
 # prompts, training resumes from its last checkpoint), so it can be run in pieces:
 #   experiments/train_drafters.sh [STAGE...]      e.g. `experiments/train_drafters.sh rollouts dspark`
@@ -29,9 +31,10 @@ BUDGET=${BUDGET:-16}           # tree budget of the on-policy rollouts
 SETS="gsm8k humaneval mtbench"
 ONPOLICY=${ONPOLICY:-gsm8k}    # sets whose on-policy trees are logged (the others stay plain; CPU time)
 SELF=${SELF:-0}                # self-generated chat prompts (DESIGN.md §1.4); the shipped drafters used none
-DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary of the shipped drafters (most frequent training tokens)
+DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary the drafters train on and draft from (most frequent training tokens)
 T="$PY -m treespark_jax.cli"
 TRAIN_ARGS="--steps $STEPS --batch $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
+VOCAB_ARGS="--draft-vocab $DRAFT_VOCAB"  # the treespark stage and the ablations keep their --init drafter's
 
 plain() { for s in $SETS; do echo "$DATA/rollouts-$s-$1"; done; }
 self_rollouts() { if [ "$SELF" -gt 0 ]; then echo "$DATA/rollouts-self$SELF-train"; fi; }
@@ -50,8 +53,8 @@ stage_rollouts() {
       --out "$(self_rollouts)"
   fi
 }
-stage_dflash() { $T train --rollouts $(train_plain) --loss dflash $TRAIN_ARGS --out "$DATA/dflash"; }
-stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS --out "$DATA/dspark"; }
+stage_dflash() { $T train --rollouts $(train_plain) --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }
+stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dspark"; }
 stage_onpolicy() {
   for s in $ONPOLICY; do
     $T rollout --prompts "$s" --split train --limit "$LIMIT" --max-new-tokens "$NEW" --batch-size 16 \
@@ -101,19 +104,13 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
   done
 }
 
-stage_export() {  # bfloat16 copies drafting from the DRAFT_VOCAB most frequent tokens of the training rollouts
-  $PY - "$DATA" "$DRAFT_VOCAB" $(train_plain) <<'PY'
+stage_export() {  # bfloat16 copies, each with the draft vocabulary it was trained on
+  $PY - "$DATA" <<'PY'
 import sys
 from treespark_jax.drafter.checkpoint import export_drafter
-from treespark_jax.train.draft_vocab import frequency_ranked_vocab
-from treespark_jax.train.rollouts import open_rollouts
 
-data, k, train = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-rollouts = open_rollouts(train)
-ids = frequency_ranked_vocab(rollouts, k, rollouts.binding.vocab_size)
 for name in ("dflash", "dspark", "treespark"):
-    print(export_drafter(f"{data}/{name}/drafter", f"treespark_jax/drafters/smollm2-135m/{name}", draft_vocab=ids,
-                         overwrite=True))
+    print(export_drafter(f"{sys.argv[1]}/{name}/drafter", f"treespark_jax/drafters/smollm2-135m/{name}", overwrite=True))
 PY
 }
 

@@ -373,3 +373,23 @@ def test_one_program_per_budget_for_a_generation_with_the_drafter(target64):
     eng.generate([[2, 7, 1, 8, 2]], 128, spec=Speculation(proposer, TreeConfig(
         budget=16, max_depth=6, branch=4, builder="treespark")))
     assert engine_mod._spec_program.cache_size() == before + 1
+
+
+def test_warm_start_copies_the_named_target_layers(target32):
+    """``copy_target_layers`` puts target layer ``ids[i]`` into drafter layer ``i`` (every weight,
+    biases and norms included) and touches nothing else."""
+    cfg = DrafterConfig(target_layer_ids=LAYER_IDS, n_layers=2, block_size=4, pool_size=8)
+    drafter = BlockDrafter(cfg, target32.cfg, rngs=nnx.Rngs(0))
+    before = nnx.to_pure_dict(nnx.state(drafter))
+    drafter.copy_target_layers(target32, [2, 0])
+    after = nnx.to_pure_dict(nnx.state(drafter))
+    for i, source in enumerate([2, 0]):
+        weights = target32.layers[source].arrays(target32.cfg)
+        assert set(weights) == set(after["layers"][i]) and "bq" in weights  # qwen2: biases too
+        for name, value in weights.items():
+            np.testing.assert_array_equal(after["layers"][i][name], value)
+    for key in ("fc", "mask_embed", "final_norm", "context_norm"):
+        np.testing.assert_array_equal(after[key], before[key])
+    for ids in ([0], [0, target32.cfg.n_layers]):
+        with pytest.raises(ValueError, match="must name 2 target layer"):
+            drafter.copy_target_layers(target32, ids)

@@ -297,3 +297,41 @@ def test_loss_weights_flag_parses_into_loss_config_and_refuses_unknown_names():
         parse_loss_weights("tree_cov=1")
     with pytest.raises(ValueError, match="chain_l1='x' is not a number"):
         parse_loss_weights("chain_l1=x")
+
+
+def test_draft_vocabulary_columns_give_the_distances_of_a_drafter_with_no_mass_outside():
+    """On a draft vocabulary's columns, with the target normalised by its whole-vocabulary
+    logsumexp, the chain L1, the acceptance, the in-vocabulary CE and every tree reach, TV and
+    coverage equal the whole-vocabulary values of a drafter whose logits outside are -1e9."""
+    v = 16
+    ids = np.asarray([3, 1, 9, 2, 14, 7, 0, 11, 5, 12])  # holds the hand tree's tokens 1, 2, 3
+    inside = np.isin(np.arange(v), ids)
+    cols = np.full(v, len(ids))
+    cols[ids] = np.arange(len(ids))
+    q, target = normal(2, 4, v, scale=2.0), normal(2, 4, v, scale=2.0)
+    q_full = jnp.where(inside, q, -1e9)
+    labels = jnp.asarray(RNG.integers(0, v, (2, 4)))
+    mask = jnp.ones((2, 4), bool)
+    lse = jax.nn.logsumexp(target, axis=-1)
+    full = dspark(q_full, target, labels, mask & inside[labels])[1]
+    part = dspark(q[..., ids], target[..., ids], jnp.asarray(cols)[labels], mask, target_lse=lse)[1]
+    assert 0 < int(np.sum(inside[np.asarray(labels)])) < 8  # labels on both sides of the boundary
+    np.testing.assert_allclose(part["ce"], full["ce"], rtol=1e-10)
+    np.testing.assert_allclose(dspark(q_full, target, labels, mask)[1]["l1"], part["l1"], rtol=1e-10)
+    np.testing.assert_allclose(chain_acceptance(q[..., ids], target[..., ids], lse),
+                               chain_acceptance(q_full, target), rtol=1e-10)
+    child_full = jnp.where(inside, normal(1, 5, v, scale=2.0), -1e9)
+    node_target = normal(1, 5, v, scale=2.0)
+    for rule, temp in (("match", 0.7), ("rejection", 0.7), ("greedy", 0.0)):
+        warm = 1.0 if rule == "greedy" else temp
+        whole = LoggedTrees(tree=HAND, accepted=jnp.asarray([[True, False, True, False]]),
+                            target_logits=node_target, temp=jnp.asarray([temp]))
+        cut = whole.replace(target_logits=node_target[..., ids], columns=jnp.asarray(cols)[HAND.tokens],
+                            target_lse=jax.nn.logsumexp(node_target / warm, axis=-1),
+                            top_columns=jnp.asarray(cols)[jnp.argmax(node_target, axis=-1)])
+        a, b = verify_targets(child_full, whole, rule), verify_targets(child_full[..., ids], cut, rule)
+        np.testing.assert_allclose(b.reach, a.reach, rtol=1e-10, atol=1e-12)
+        ta, tb = tree_terms(child_full, None, whole, rule)[1], tree_terms(child_full[..., ids], None, cut, rule)[1]
+        np.testing.assert_allclose(tb["tree_tv"], ta["tree_tv"], rtol=1e-10)
+        if rule != "greedy":  # a greedy row whose argmax lies outside has no coverage term when cut
+            np.testing.assert_allclose(tb["tree_coverage"], ta["tree_coverage"], rtol=1e-10)

@@ -15,8 +15,8 @@ from treespark_jax.methods import drafter_config, speculation
 from treespark_jax.train.batches import batch_from_records
 from treespark_jax.train.evaluate import evaluate_drafter
 from treespark_jax.train.objective import objective
-from treespark_jax.train.rollout_records import TreeLog, make_record
-from treespark_jax.train.rollout_run import target_features
+from treespark_jax.train.rollout_records import make_record
+from treespark_jax.train.rollout_run import record_arrays, tree_log
 
 from tiny import tiny_decoder
 
@@ -47,18 +47,20 @@ def rollouts(target, n=4, new=24, trees_from=None):
         outs, _, logs = engine.generate_logged(prompts, new, spec)
     seqs = [p + o for p, o in zip(prompts, outs)]
     records = []
-    for p, seq, (feats, hidden), log in zip(prompts, seqs, target_features(target, seqs, LAYER_IDS), logs):
-        trees = None if log is None else TreeLog(**log, rule="greedy", temp=0.0)
-        records.append(make_record(seq, len(p), feats, hidden, prompt_set="random", prompt_id=str(len(records)),
+    head = TargetHead.of(target, target.dtype)
+    arrays = record_arrays(target, seqs, [len(p) for p in prompts], LAYER_IDS)
+    for p, seq, feats, log in zip(prompts, seqs, arrays, logs):
+        trees = None if log is None else tree_log(log, head, "greedy", 0.0)
+        records.append(make_record(seq, len(p), *feats, prompt_set="random", prompt_id=str(len(records)),
                                    seed=0, temp=0.0, top_p=1.0, finished=False, trees=trees))
     return records
 
 
-def loss_and_grads(drafter, head, batch, loss, rule=None):
+def loss_and_grads(drafter, head, batch, loss, rule=None, draft_head=None):
     graphdef, params = nnx.split(drafter)
 
     def f(params):
-        return objective(nnx.merge(graphdef, params), head, batch, loss=loss, rule=rule)
+        return objective(nnx.merge(graphdef, params), head, batch, loss=loss, rule=rule, draft_head=draft_head)
 
     (total, metrics), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
     return total, metrics, nnx.to_pure_dict(grads)
@@ -167,3 +169,41 @@ def test_gold_prefix_in_tree_follows_parents():
     assert int(gold_prefix_in_tree(tree, gold, jnp.asarray([[True, False, True, True]]))[0]) == 1
     assert int(gold_prefix_in_tree(tree.replace(valid=np.asarray([[True, True, False, True, True]])),
                                    gold, jnp.ones((1, 4), bool))[0]) == 1
+
+
+@pytest.mark.parametrize("loss", ["dflash", "dspark", "treespark"])
+def test_a_draft_vocabulary_of_every_token_trains_like_the_whole_vocabulary(target, loss):
+    """A draft head over all V tokens in another order reads the target through the rollouts'
+    stored logsumexp and argmax, maps labels, tree nodes, Markov and edge terms to its columns,
+    and must give the whole vocabulary's loss, metrics and gradients."""
+    drafter = make_drafter(target, loss)
+    trees = loss == "treespark"
+    records = rollouts(target, n=3, trees_from=drafter if trees else None)
+    batch = batch_from_records(records, seq_len=32, n_anchors=4, n_trees=3 if trees else 0,
+                               rng=np.random.default_rng(4))
+    head = TargetHead.of(target, jnp.float32)
+    rule = "greedy" if trees else None
+    ids = np.random.default_rng(0).permutation(target.cfg.vocab_size)
+    whole = loss_and_grads(drafter, head, batch, loss, rule)
+    cut = loss_and_grads(drafter, head, batch, loss, rule, draft_head=head.restricted(ids))
+    np.testing.assert_allclose(cut[0], whole[0], rtol=2e-5)
+    for name in whole[1]:
+        np.testing.assert_allclose(cut[1][name], whole[1][name], rtol=2e-5, atol=1e-6, err_msg=name)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(whole[2]), jax.tree.leaves(cut[2])):
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_smaller_draft_vocabulary_trains_on_its_columns_only(target):
+    """Half the vocabulary: finite loss and gradients, the Markov head's columns outside get no
+    gradient, and tree nodes outside the draft vocabulary leave the tree terms."""
+    drafter = make_drafter(target, "treespark")
+    records = rollouts(target, n=3, trees_from=drafter)
+    batch = batch_from_records(records, seq_len=32, n_anchors=4, n_trees=3, rng=np.random.default_rng(4))
+    head = TargetHead.of(target, jnp.float32)
+    ids = np.random.default_rng(1).permutation(target.cfg.vocab_size)[:32]
+    total, metrics, grads = loss_and_grads(drafter, head, batch, "treespark", "greedy", draft_head=head.restricted(ids))
+    assert np.isfinite(float(total)) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+    assert np.all((np.asarray(metrics["alpha"]) >= 0) & (np.asarray(metrics["alpha"]) <= 1))
+    outside = np.setdiff1d(np.arange(target.cfg.vocab_size), ids)
+    child = np.asarray(grads["markov"]["child"])
+    assert np.all(child[:, outside] == 0) and np.any(child[:, ids] != 0)

@@ -134,12 +134,19 @@ def test_records_round_trip_to_the_targets_recomputed_features(baseline, target,
         np.testing.assert_array_equal(rec["loss_mask"], np.arange(len(rec["tokens"])) >= len(p))
         assert 1 <= rec["loss_mask"].sum() <= SETTINGS.max_new_tokens
         assert rec["features"].dtype == rec["hidden"].dtype == np.dtype("bfloat16")
+        # Written while generating (``Engine.generate_features``), equal to a separate forward pass.
         feats, hidden = reference(rec["tokens"])
         for stored, ref in ((rec["features"], feats), (rec["hidden"], hidden)):
             assert stored.shape == ref.shape
             # bf16 keeps 8 significant bits: stored = ref (1 ± 2^-8) up to float32 noise.
             np.testing.assert_allclose(stored.astype(np.float32), ref, rtol=2 ** -8 + 1e-4,
                                        atol=1e-5 * np.abs(ref).max())
+        # The normaliser of the stored hidden states, from the last prompt position on.
+        logits = np.asarray(target.model.logits(jnp.asarray(rec["hidden"].astype(np.float32))[None]))[0]
+        start = len(p) - 1
+        np.testing.assert_allclose(rec["target_lse"][start:], jax.nn.logsumexp(logits[start:], axis=-1), rtol=1e-5)
+        np.testing.assert_array_equal(rec["target_top"][start:], np.argmax(logits[start:], axis=-1))
+        assert not rec["target_lse"][:start].any() and np.all(rec["target_top"][:start] == -1)
     # The response is what greedy AR decoding of the prompt alone gives.
     first = rs[0]
     p0 = prompt_ids(target.tokenizer, prompts[0])
@@ -289,14 +296,16 @@ def _trees(rng, tokens, r=3, n=4, d=48) -> TreeLog:
     return TreeLog(anchor_pos=anchor, tokens=tree_tokens, parents=np.tile(np.arange(-1, n - 1), (r, 1)),
                    depths=depths, sibling_rank=np.zeros((r, n), int), valid=valid,
                    accepted=np.tile(np.arange(n) < 2, (r, 1)),
-                   node_hidden=rng.standard_normal((r, n + 1, d)), rule="rejection", temp=1.0)
+                   node_hidden=rng.standard_normal((r, n + 1, d)), node_lse=rng.standard_normal((r, n + 1)),
+                   node_top=rng.integers(0, 97, (r, n + 1)), rule="rejection", temp=1.0)
 
 
 def test_tree_logs_round_trip_and_are_checked(tmp_path, target):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 97, 20)
     trees = _trees(rng, tokens)
-    record = make_record(tokens, 8, rng.standard_normal((20, 96)), rng.standard_normal((20, 48)), prompt_set="s",
+    record = make_record(tokens, 8, rng.standard_normal((20, 96)), rng.standard_normal((20, 48)),
+                         rng.standard_normal(20), rng.integers(0, 97, 20), prompt_set="s",
                          prompt_id="a", seed=1, temp=1.0, top_p=1.0, finished=False, trees=trees)
     back = decode_record(encode_record(record))
     stored = TreeLog.from_dict(back["trees"])
@@ -320,11 +329,14 @@ def test_tree_logs_round_trip_and_are_checked(tmp_path, target):
 
 def test_records_refuse_inconsistent_shapes():
     with pytest.raises(RolloutError, match="prompt length 5 must be in \\[1, 4\\]"):
-        make_record(np.arange(5), 5, np.zeros((5, 8)), np.zeros((5, 4)), prompt_set="s", prompt_id="a", seed=0,
-                    temp=0.0, top_p=1.0, finished=True)
+        make_record(np.arange(5), 5, np.zeros((5, 8)), np.zeros((5, 4)), np.zeros(5), np.zeros(5), prompt_set="s",
+                    prompt_id="a", seed=0, temp=0.0, top_p=1.0, finished=True)
     with pytest.raises(RolloutError, match="must be \\[T, m·D\\] and \\[T, D\\] with T = 5"):
-        make_record(np.arange(5), 2, np.zeros((4, 8)), np.zeros((5, 4)), prompt_set="s", prompt_id="a", seed=0,
-                    temp=0.0, top_p=1.0, finished=True)
+        make_record(np.arange(5), 2, np.zeros((4, 8)), np.zeros((5, 4)), np.zeros(5), np.zeros(5), prompt_set="s",
+                    prompt_id="a", seed=0, temp=0.0, top_p=1.0, finished=True)
+    with pytest.raises(RolloutError, match=r"target_lse \(4,\) and target_top \(5,\) must be \[T\]"):
+        make_record(np.arange(5), 2, np.zeros((5, 8)), np.zeros((5, 4)), np.zeros(4), np.zeros(5), prompt_set="s",
+                    prompt_id="a", seed=0, temp=0.0, top_p=1.0, finished=True)
     with pytest.raises(RolloutError, match="cannot be decoded"):
         decode_record(b"\xc1garbage")
 

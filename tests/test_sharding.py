@@ -210,11 +210,11 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
         step = TrainStep(graphdef, tx, "dspark", LossConfig(), None, mesh, rules)
         head_on_mesh = jax.device_put(head, replicated(mesh))
         _, grads = step.jitted_grads(state0["params"])(rules.place(state0["params"]), head_on_mesh,
-                                                         global_batch(ds[0], mesh))
+                                                         global_batch(ds[0], mesh), None)
         state = rules.place(jax.tree.map(jnp.copy, state0))
         update = step.jitted(state)
         for s in range(3):
-            state, _ = update(state, head_on_mesh, global_batch(ds[s], mesh))
+            state, _ = update(state, head_on_mesh, global_batch(ds[s], mesh), None)
         layouts[shape] = axes_of(state["params"]["layers"][0]["w_up"])
         res[shape] = host(grads), host(state["params"]), state
 
@@ -334,12 +334,12 @@ TWO_HOST_SCRIPT = textwrap.dedent("""
     ds = train_dataset(rs, cfg, process_index=block, process_count=blocks)
     head = jax.device_put(TargetHead.of(loaded.model, jnp.float32), replicated(mesh))
     step = TrainStep(graphdef, tx, "dspark", LossConfig(), None, mesh, rules)
-    _, grads = step.jitted_grads(state["params"])(rules.place(state["params"]), head, global_batch(ds[0], mesh))
+    _, grads = step.jitted_grads(state["params"])(rules.place(state["params"]), head, global_batch(ds[0], mesh), None)
     grads = _host(grads)
     state = rules.place(state)
     update = step.jitted(state)
     for s in range(3):
-        state, _ = update(state, head, global_batch(ds[s], mesh))
+        state, _ = update(state, head, global_batch(ds[s], mesh), None)
     params = _host(state["params"])
     if jax.process_index() == 0:
         flat = lambda tree, tag: {tag + jax.tree_util.keystr(k): np.asarray(v)

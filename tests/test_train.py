@@ -24,10 +24,13 @@ import pytest
 from treespark_jax.cli import main
 from treespark_jax.config import TrainConfig
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter
+from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.load import load_target
 from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
-from treespark_jax.train.rollout_run import target_features
-from treespark_jax.train.rollouts import RolloutWriter, TreeLog, make_record, open_rollouts
+from treespark_jax.train.draft_vocab import frequency_ranked_vocab
+from treespark_jax.train.rollout_records import TreeLog
+from treespark_jax.train.rollout_run import record_arrays, tree_log
+from treespark_jax.train.rollouts import RolloutWriter, make_record, open_rollouts
 
 from tiny import write_tiny_hf_target
 
@@ -43,15 +46,16 @@ def write_tiny_target(path: Path, seed: int = 0) -> Path:
     return write_tiny_hf_target(path, layers=4, d=32, mlp=64, head_dim=8, max_positions=256, seed=seed)
 
 
-def _trees(tokens: np.ndarray, prompt_len: int, d: int, rng: np.random.Generator) -> TreeLog:
+def _trees(tokens: np.ndarray, prompt_len: int, head: TargetHead, rng: np.random.Generator) -> TreeLog:
     """Three greedy-verified rounds of a 4-node tree each; the first node is the committed token."""
     anchors = np.sort(rng.choice(np.arange(prompt_len - 1, len(tokens) - 3), 3, replace=False))
     toks = rng.integers(3, 259, (3, 4))
     toks[:, 0] = tokens[anchors + 1]
-    return TreeLog(anchor_pos=anchors, tokens=toks, parents=np.tile([-1, 0, 0, 1], (3, 1)),
-                   depths=np.tile([1, 2, 2, 3], (3, 1)), sibling_rank=np.tile([0, 0, 1, 0], (3, 1)),
-                   valid=np.ones((3, 4), bool), accepted=np.tile([True, False, False, False], (3, 1)),
-                   node_hidden=rng.standard_normal((3, 5, d)).astype(np.float32), rule="greedy", temp=0.0)
+    log = dict(anchor_pos=anchors, tokens=toks, parents=np.tile([-1, 0, 0, 1], (3, 1)),
+               depths=np.tile([1, 2, 2, 3], (3, 1)), sibling_rank=np.tile([0, 0, 1, 0], (3, 1)),
+               valid=np.ones((3, 4), bool), accepted=np.tile([True, False, False, False], (3, 1)),
+               node_hidden=rng.standard_normal((3, 5, head.embed.shape[1])).astype(np.float32))
+    return tree_log(log, head, "greedy", 0.0)
 
 
 def write_tiny_rollouts(target, out: Path, *, records: int = 12, per_shard: int = 4, seed: int = 0,
@@ -62,13 +66,12 @@ def write_tiny_rollouts(target, out: Path, *, records: int = 12, per_shard: int 
                                  "d_model": target.cfg.d_model, "identity": {"test": seed}, "trees": trees})
     for start in range(0, records, per_shard):
         seqs = [rng.integers(3, 259, rng.integers(24, 41)).astype(np.int32) for _ in range(per_shard)]
-        feats = target_features(target.model, seqs, LAYER_IDS)
+        lens = rng.integers(6, 11, per_shard).tolist()
         batch = []
-        for i, (s, (f, h)) in enumerate(zip(seqs, feats)):
-            p = int(rng.integers(6, 11))
-            tree_log = _trees(s, p, target.cfg.d_model, rng) if trees else None
-            batch.append(make_record(s, p, f, h, prompt_set="test", prompt_id=f"r{start + i}", seed=0, temp=0.0,
-                                     top_p=1.0, finished=True, trees=tree_log))
+        for i, (s, p, f) in enumerate(zip(seqs, lens, record_arrays(target.model, seqs, lens, LAYER_IDS))):
+            logged = _trees(s, p, TargetHead.of(target.model, target.model.dtype), rng) if trees else None
+            batch.append(make_record(s, p, *f, prompt_set="test", prompt_id=f"r{start + i}", seed=0, temp=0.0,
+                                     top_p=1.0, finished=True, trees=logged))
         writer.write_shard(batch)
     return out
 
@@ -235,6 +238,26 @@ def test_the_shortest_prompt_comes_from_the_manifest_or_from_older_shards_record
     assert open_rollouts(old).shortest_prompt == want
 
 
+def test_a_draft_vocabulary_run_saves_its_drafter_with_the_vocabulary(tmp_path, capsys, target, rollouts):
+    """``--draft-vocab K`` trains on the K most frequent rollout tokens and saves the drafter with
+    them; a run started from it (``--init``) keeps them, ``--draft-vocab 0`` drops them."""
+    binding = TargetBinding.of(target)
+    rs = open_rollouts(rollouts, expect=binding)
+    first = tmp_path / "first"
+    assert main(_cli("--rollouts", rollouts, "--loss", "dspark", "--draft-vocab", "256", "--out", first,
+                     "--steps", "2")) == 0
+    drafter, meta = load_drafter(first / "drafter", binding)
+    expected = frequency_ranked_vocab(rs, 256, binding.vocab_size)
+    assert meta.cfg.draft_vocab == 256
+    np.testing.assert_array_equal(drafter.draft_vocab[...], expected)
+    for extra, size in (((), 256), (("--draft-vocab", "0"), 0)):
+        out = tmp_path / f"next{size}"
+        assert main(_cli("--rollouts", rollouts, "--loss", "dflash", "--init", first / "drafter", *extra, "--out", out,
+                         "--steps", "2")) == 0
+        assert load_drafter(out / "drafter", binding)[1].cfg.draft_vocab == size
+    capsys.readouterr()
+
+
 def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, tiny_dir, rollouts, other_rollouts):
     other_hf, other = other_rollouts
     out = tmp_path / "out"
@@ -250,6 +273,11 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
         (["--rollouts", rollouts, "--loss", "dspark", "--mesh", "data=2"], ("data=2",)),
         (["--rollouts", rollouts, "--loss", "dspark", "--seq-len", str(shortest)],
          (f"--seq-len {shortest} leaves no response token", f"use --seq-len {shortest + 1}")),
+        (["--rollouts", rollouts, "--loss", "dspark", "--init-layers", "x"], ("--init-layers 'x'",)),
+        (["--rollouts", rollouts, "--loss", "dspark", "--init-layers", "99"], ("initial layers [99]",)),
+        (["--rollouts", rollouts, "--loss", "dspark", "--init", tmp_path, "--init-layers", "0"],
+         ("--init and --init-layers",)),
+        (["--rollouts", rollouts, "--loss", "dspark", "--draft-vocab", "4"], ("draft_vocab=4", "pool size")),
     ]
     for args, words in cases:
         _assert_clean_error(capsys, main(_cli(*args, *base)), out, *words)
@@ -340,11 +368,11 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     for n in (1, 8):
         mesh = data_mesh(n)
         step = TrainStep(graphdef, tx, "dspark", LossConfig(), None, mesh)
-        _, grads = step.jitted_grads()(state0["params"], head, global_batch(ds[0], mesh))
+        _, grads = step.jitted_grads()(state0["params"], head, global_batch(ds[0], mesh), None)
         state = jax.device_put(jax.tree.map(jnp.copy, state0), replicated(mesh))
         update = step.jitted()
         for s in range(5):
-            state, _ = update(state, head, global_batch(ds[s], mesh))
+            state, _ = update(state, head, global_batch(ds[s], mesh), None)
         res[n] = host(grads), host(state["params"])
 
     def rel(a, b):

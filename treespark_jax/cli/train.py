@@ -41,8 +41,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--trees", type=int, default=d.trees, help="logged trees per sequence (treespark loss)")
     tr.add_argument("--block-size", type=int, default=None, help="drafter block size γ (default 8)")
     tr.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers, 1-5 (default 1)")
+    tr.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                    help="train on (and draft from) the K most frequent tokens of the rollouts, the LM heads "
+                         "cut to those columns; 0 = the whole vocabulary (default: the --init drafter's, else 0)")
     tr.add_argument("--init", default=None, metavar="PATH",
                     help="warm-start from this drafter checkpoint (shared parameters; new heads fresh)")
+    tr.add_argument("--init-layers", default=None, metavar="L[,L...]",
+                    help="start drafter layer i as a copy of target decoder layer L_i (0-based, one per drafter "
+                         "layer) instead of random weights")
     tr.add_argument("--loss-weights", default=None, metavar="K=V,...",
                     help="loss term weights (train.losses.LossConfig fields), e.g. chain_l1=0.9,tree_coverage=0.5")
     tr.add_argument("--mesh", default=None, metavar="data=N,model=M",
@@ -101,12 +107,19 @@ def run(args: argparse.Namespace) -> None:
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,
                       seed=args.seed, seq_len=args.seq_len, anchors=args.anchors, trees=args.trees,
                       save_every=args.save_every, keep=args.keep, log_every=args.log_every)
-    fields = {k: v for k, v in (("block_size", args.block_size), ("n_layers", args.drafter_layers)) if v is not None}
+    fields = {k: v for k, v in (("block_size", args.block_size), ("n_layers", args.drafter_layers),
+                                ("draft_vocab", args.draft_vocab)) if v is not None}
     loss_cfg = parse_loss_weights(args.loss_weights)
+    init_layers = None
+    if args.init_layers is not None:
+        try:
+            init_layers = [int(x) for x in args.init_layers.split(",")]
+        except ValueError:
+            raise ValueError(f"--init-layers {args.init_layers!r} must be comma-separated layer numbers.") from None
     mesh = parse_mesh(args.mesh)
     enable_compilation_cache()
     r = train(args.rollouts, args.loss, args.out, cfg, target=args.target or args.preset, dtype=args.dtype,
-              drafter_fields=fields, init=args.init, loss_cfg=loss_cfg, mesh=mesh, stop_after=args.stop_after,
+              drafter_fields=fields, init=args.init, init_layers=init_layers, loss_cfg=loss_cfg, mesh=mesh, stop_after=args.stop_after,
               progress=not args.quiet)
     m = r.metrics
     rows = [("run", str(r.out)), ("steps", f"{r.start_step} → {r.step} of {cfg.steps}"),

@@ -7,11 +7,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from treespark_jax.decode.feature_log import FeatureLog
 from treespark_jax.decode.state import GenState, Requests, append_tokens, row_keys
 from treespark_jax.streams import STREAM_TARGET_SAMPLE
-from treespark_jax.models.decoder import Decoder
+from treespark_jax.models.decoder import Decoder, DecoderOutput
 from treespark_jax.sampling import sample_token
-from treespark_jax.typing import Array, Bool, Float, Int
+from treespark_jax.typing import Array, Bool, Int
 
 
 def decode_mask(lengths: Int[Array, "B"], capacity: int) -> Bool[Array, "B 1 S"]:
@@ -20,14 +21,15 @@ def decode_mask(lengths: Int[Array, "B"], capacity: int) -> Bool[Array, "B 1 S"]
 
 
 def target_step(model: Decoder, state: GenState, requests: Requests, greedy: bool,
-                layer_ids: tuple[int, ...] = ()) -> tuple[GenState, Float[Array, "B 1 F"] | None, Int[Array, "B"]]:
+                layer_ids: tuple[int, ...] = ()) -> tuple[GenState, DecoderOutput, Int[Array, "B"]]:
     """Feeds each row's anchor (last emitted token) and emits the next token.
 
     Finished rows still run (shapes are static) but neither advance their cache nor emit.
 
     Returns:
-      ``(state, features, token)``: the new state, the anchor's features at ``layer_ids``
-      (``None`` without layers) and the ``[B]`` int32 token drawn on every row.
+      ``(state, output, token)``: the new state, the decoder's output for the anchor (its
+      final-norm hidden state ``[B, 1, D]`` and its features at ``layer_ids`` ``[B, 1, m·D]``,
+      ``None`` without layers) and the ``[B]`` int32 token drawn on every row.
     """
     cache = state.cache
     positions = cache.lengths[:, None]
@@ -39,7 +41,7 @@ def target_step(model: Decoder, state: GenState, requests: Requests, greedy: boo
     state = state.replace(cache=output.cache.replace(lengths=cache.lengths + advance),
                           anchor=jnp.where(state.done, state.anchor, token), steps=state.steps + 1)
     state, _ = append_tokens(state, token[:, None], jnp.ones_like(advance), requests)
-    return state, output.features, token
+    return state, output, token
 
 
 def ar_step(model: Decoder, state: GenState, requests: Requests, greedy: bool) -> GenState:
@@ -64,3 +66,32 @@ def ar_loop(model: Decoder, state: GenState, requests: Requests, stop_after: Int
         return s if constrain is None else constrain(s)
 
     return jax.lax.while_loop(cond, body, state)
+
+
+def logged_ar_loop(model: Decoder, state: GenState, log: FeatureLog, requests: Requests, greedy: bool,
+                   layer_ids: tuple[int, ...], constrain: Callable | None = None) -> tuple[GenState, FeatureLog]:
+    """``ar_loop`` to the end that also logs every fed row's features (``decode.feature_log``).
+
+    Each step logs its anchor at the position it is fed at; one more step after the loop logs
+    the rows' last tokens (it neither emits nor advances a finished row, and its state is not
+    kept).
+
+    Args:
+      model, state, requests, greedy: as ``ar_loop`` (which runs until every row is done).
+      log: the log after prefill (``FeatureLog.of_prefill``).
+      layer_ids: static target layers of the logged features.
+      constrain: pins the layout of the loop carry (a mesh's sharding constraints).
+
+    Returns:
+      ``(state, log)``: the final state and the log of every position of every row.
+    """
+    pin = constrain or (lambda x: x)
+
+    def step(carry):
+        s, log = carry
+        positions = s.cache.lengths
+        s, output, _ = target_step(model, s, requests, greedy, layer_ids)
+        return pin((s, log.record(positions, output)))
+
+    state, log = jax.lax.while_loop(lambda c: jnp.any(~c[0].done), step, (state, log))
+    return state, step((state, log))[1]

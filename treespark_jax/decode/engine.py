@@ -28,8 +28,9 @@ from jax.sharding import Mesh
 
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode import buckets, programs
-from treespark_jax.decode.ar import ar_loop
+from treespark_jax.decode.ar import ar_loop, logged_ar_loop
 from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
+from treespark_jax.decode.feature_log import FeatureLog, row_features
 from treespark_jax.decode.prefill import prefill
 from treespark_jax.decode.programs import Program
 from treespark_jax.decode.skip import SkipState
@@ -61,6 +62,16 @@ def _ar(graphdef, weights, state, requests, stop_after, *, greedy, layout=None) 
                    constrain=None if layout is None else layout.constrain)
 
 
+def _logged_ar(graphdef, weights, tokens, prompt_lens, active, requests, *, capacity, out_size, greedy, layer_ids,
+               layout=None) -> tuple[GenState, FeatureLog]:
+    model = nnx.merge(graphdef, weights)
+    state, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity, out_size=out_size,
+                         greedy=greedy, layer_ids=layer_ids)
+    carry = _pin(layout, (state, FeatureLog.of_prefill(out, capacity)))
+    return logged_ar_loop(model, *carry, requests, greedy, layer_ids,
+                          constrain=None if layout is None else layout.constrain)
+
+
 def _spec_prefill(graphdef, weights, tokens, prompt_lens, active, requests, proposer_weights,
                   *, proposer, cfg, capacity, out_size, layout=None) -> SpecState:
     model = nnx.merge(graphdef, weights)
@@ -82,6 +93,7 @@ def _spec(graphdef, weights, state, requests, stop_after, *, proposer, cfg, layo
 
 _prefill_program = Program(_prefill, ("graphdef", "capacity", "out_size", "greedy", "layout"))
 _ar_program = Program(_ar, ("graphdef", "greedy", "layout"), donate_argnames=("state",))
+_logged_ar_program = Program(_logged_ar, ("graphdef", "capacity", "out_size", "greedy", "layer_ids", "layout"))
 _spec_prefill_program = Program(_spec_prefill, ("graphdef", "proposer", "cfg", "capacity", "out_size", "layout"))
 _spec_program = Program(_spec, ("graphdef", "proposer", "cfg", "layout"), donate_argnames=("state",))
 
@@ -263,16 +275,15 @@ class Engine:
             self._placed = (weights, self.layout.place(weights))
         return self._placed[1]
 
-    def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float,
-              top_p: float, seed: int | Sequence[int], spec: Speculation | None = None,
-              log_trees: bool = False):
-        """Validates, pads to buckets and prefills. Returns the loop state and the requests."""
+    def _padded(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float, top_p: float,
+                seed: int | Sequence[int], tree_rows: int = 1):
+        """Validates and pads a request to its buckets: ``(args, capacity, out_size, requests)``
+        with ``args = (graphdef, weights, tokens, prompt_lens, active, requests)`` on the mesh."""
         lens = [len(p) for p in prompts]
         check_request(lens, max_new_tokens, temp, top_p, self.context, seed)
         b = buckets.batch_bucket(len(prompts), self.data_size)
         t = buckets.prompt_bucket(max(lens))
         out_size = buckets.output_bucket(max_new_tokens)
-        tree_rows = spec.tree.budget + 1 if spec else 1
         capacity = buckets.cache_capacity(t, out_size, tree_rows)
         tokens = np.zeros((b, t), np.int32)
         for i, p in enumerate(prompts):
@@ -287,7 +298,14 @@ class Engine:
         else:
             rows = jax.device_put(rows, batch_sharding(self.layout.mesh))
             requests = self.layout.place(requests)
-        args = (self.graphdef, self.weights, *rows, requests)
+        return (self.graphdef, self.weights, *rows, requests), capacity, out_size, requests
+
+    def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float,
+              top_p: float, seed: int | Sequence[int], spec: Speculation | None = None,
+              log_trees: bool = False):
+        """Validates, pads to buckets and prefills. Returns the loop state and the requests."""
+        args, capacity, out_size, requests = self._padded(prompts, max_new_tokens, temp, top_p, seed,
+                                                          spec.tree.budget + 1 if spec else 1)
         with self._mesh():
             if spec is None:
                 state = _prefill_program(*args, capacity=capacity, out_size=out_size, greedy=temp == 0,
@@ -368,6 +386,35 @@ class Engine:
           ``node_hidden [R_i, N + 1, D]``.
         """
         return self._generate(prompts, max_new_tokens, temp, top_p, seed, spec, log_trees=True)
+
+    def generate_features(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, layer_ids: Sequence[int],
+                          temp: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0
+                          ) -> tuple[list[list[int]], list[tuple[np.ndarray, np.ndarray]]]:
+        """Autoregressive ``generate`` that also returns every token's target features (rollouts).
+
+        The features come from the generation's own forwards (``decode.feature_log``): the same
+        values a separate causal forward over ``prompt + response`` gives, up to the summation
+        order of a one-row step, stored in bfloat16. Prefill and loop are one compiled program
+        per (batch, prompt, output) bucket and layer ids.
+
+        Args:
+          prompts, max_new_tokens, temp, top_p, seed: as ``generate``.
+          layer_ids: 0-based target layers whose outputs to log (concatenated in this order).
+
+        Returns:
+          ``(token_ids, features)``; ``features[i] = (features [T_i, m·D], hidden [T_i, D])``,
+          bfloat16 numpy arrays over prompt ``i``'s ``T_i = len(prompt) + len(token_ids[i])`` tokens.
+
+        Raises:
+          ValueError: as ``generate``.
+        """
+        args, capacity, out_size, _ = self._padded(prompts, max_new_tokens, temp, top_p, seed)
+        with self._mesh():
+            state, log = _logged_ar_program(*args, capacity=capacity, out_size=out_size, greedy=temp == 0,
+                                            layer_ids=tuple(int(i) for i in layer_ids), layout=self.layout)
+            out, n_out, log = jax.device_get((state.out, state.n_out, log))
+        ids = [out[i, : n_out[i]].tolist() for i in range(len(prompts))]
+        return ids, [row_features(log, i, len(p) + len(x)) for i, (p, x) in enumerate(zip(prompts, ids))]
 
     def _generate(self, prompts, max_new_tokens, temp, top_p, seed, spec, log_trees):
         compiles = compiled_programs()

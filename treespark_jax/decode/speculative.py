@@ -148,9 +148,9 @@ def skipped_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     (``decode.ar.target_step``), and the proposer's context gains the anchor."""
     gen = state.gen
     active = ~gen.done
-    new_gen, features, token = target_step(model, gen, requests, cfg.greedy, proposer.layer_ids)
+    new_gen, output, token = target_step(model, gen, requests, cfg.greedy, proposer.layer_ids)
     pad = cfg.tree.max_depth  # Committed rows beyond the anchor
-    features = None if features is None else jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
+    features = None if output.features is None else jnp.pad(output.features, ((0, 0), (0, pad), (0, 0)))
     committed = Committed(tokens=jnp.pad(gen.anchor[:, None], ((0, 0), (0, pad))), n=active.astype(jnp.int32),
                           bonus=token, features=features)
     return state.replace(gen=new_gen, proposer=proposer.update(state.proposer, committed),

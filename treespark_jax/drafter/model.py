@@ -38,13 +38,16 @@ class TargetHead:
     Attributes:
       embed: ``[V, D]`` token embedding (also the head when ``lm_head`` is ``None``).
       lm_head: ``[D, V]`` untied LM head, or ``None`` for tied embeddings.
-      vocab_ids: ``[V]`` int32 the token id of each row of a restricted head (``restricted``),
+      vocab_ids: ``[K]`` int32 the token id of each row of a restricted head (``restricted``),
         ``None`` for the target's whole head (row ``i`` is token ``i``).
+      token_columns: ``[V]`` int32 the logit column of every token id of the whole vocabulary
+        in a restricted head, ``K`` for a token outside it; ``None`` for the whole head.
     """
 
     embed: Float[Array, "V D"]
     lm_head: Float[Array, "D V"] | None
-    vocab_ids: Int[Array, "V"] | None = None
+    vocab_ids: Int[Array, "K"] | None = None
+    token_columns: Int[Array, "V"] | None = None
 
     @classmethod
     def of(cls, target: Decoder, dtype) -> "TargetHead":
@@ -60,7 +63,33 @@ class TargetHead:
         """The head over the token ids ``ids`` only (a draft vocabulary): logits ``[..., K]``."""
         ids = jnp.asarray(ids, jnp.int32)
         lm_head = None if self.lm_head is None else self.lm_head[:, ids]
-        return TargetHead(embed=self.embed[ids], lm_head=lm_head, vocab_ids=ids)
+        k = ids.shape[0]
+        columns = jnp.full((self.embed.shape[0],), k, jnp.int32).at[ids].set(jnp.arange(k, dtype=jnp.int32))
+        return TargetHead(embed=self.embed[ids], lm_head=lm_head, vocab_ids=ids, token_columns=columns)
+
+    def columns(self, tokens: Int[Array, "..."]) -> Int[Array, "..."]:
+        """The logit column of each token id: the id itself for the whole head; for a restricted
+        head its row in ``vocab_ids``, or ``K`` (one past the last column) for a token outside."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        return tokens if self.token_columns is None else self.token_columns[tokens]
+
+    def normaliser(self, hidden: Float[Array, "... D"], temperature: Float[Array, "..."] | float = 1.0
+                   ) -> tuple[Float[Array, "..."], Int[Array, "..."]]:
+        """``(logsumexp(logits / temperature), argmax logits)`` over this head's columns, float32.
+
+        What a rollout stores so that training can use a restricted head and still normalise
+        the target's distribution over the whole vocabulary (``train.chain_losses``).
+
+        Args:
+          hidden: ``[..., D]`` final-norm hidden states.
+          temperature: ``[...]`` or scalar positive temperature of the normaliser.
+
+        Returns:
+          ``lse [...]`` float32 and ``top [...]`` int32 (a token id for the whole head).
+        """
+        logits = self.logits(hidden).astype(jnp.float32)
+        temp = jnp.asarray(temperature, jnp.float32)[..., None]
+        return jax.nn.logsumexp(logits / temp, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 class DraftVocab(nnx.Variable):
@@ -140,6 +169,26 @@ class BlockDrafter(nnx.Module):
         nnx.update(out, nnx.state(self, nnx.Param))
         out.set_draft_vocab(ids)
         return out
+
+    def copy_target_layers(self, target: Decoder, layer_ids) -> None:
+        """Sets drafter layer ``i`` to a copy of the target's decoder layer ``layer_ids[i]`` (a warm
+        start: the drafter layers have the target's shapes and family, so every weight, norms
+        included, carries over, cast to the drafter's dtype).
+
+        Args:
+          target: the target decoder (of ``self.target_cfg``'s architecture).
+          layer_ids: one 0-based target layer per drafter layer.
+
+        Raises:
+          ValueError: a count other than ``cfg.n_layers``, or a layer id outside the target.
+        """
+        ids = [int(i) for i in layer_ids]
+        if len(ids) != self.cfg.n_layers or not all(0 <= i < target.cfg.n_layers for i in ids):
+            raise ValueError(f"initial layers {ids} must name {self.cfg.n_layers} target layer(s) in "
+                             f"0..{target.cfg.n_layers - 1}, one per drafter layer.")
+        for layer, i in zip(self.layers, ids):
+            for name, value in target.layers[i].arrays(target.cfg).items():
+                getattr(layer, name)[...] = jnp.asarray(value, self.dtype)
 
     def set_draft_vocab(self, ids) -> None:
         """Sets the draft vocabulary to the distinct token ids ``ids`` (``[draft_vocab]``).
@@ -269,7 +318,7 @@ class BlockDrafter(nnx.Module):
         return rms_norm(x, self.final_norm[...], t_cfg.rms_eps)
 
     def packed(self, tokens: Int[Array, "B T"], features: Float[Array, "B T X"], anchors: Int[Array, "B A"],
-               head: TargetHead) -> DrafterOutput:
+               head: TargetHead, draft_head: TargetHead | None = None) -> DrafterOutput:
         """Training forward: ``A`` blocks per sequence in one pass, blocks never seeing each other.
 
         Block ``a`` of row ``b`` is exactly what inference computes for the anchor at position
@@ -283,9 +332,11 @@ class BlockDrafter(nnx.Module):
           anchors: ``[B, A]`` int32 anchor positions; ``-1`` marks an unused block (it attends to
             its own rows only and its outputs must be masked out of any loss).
           head: the target's embedding and LM head.
+          draft_head: ``head.restricted(draft vocabulary)``: logits over those ``K`` ids only.
 
         Returns:
-          ``DrafterOutput`` with ``hidden [B, A, P, D]`` and ``logits [B, A, P, V]``.
+          ``DrafterOutput`` with ``hidden [B, A, P, D]`` and ``logits [B, A, P, V]`` (``[B, A, P, K]``
+          with ``draft_head``).
         """
         b, t = tokens.shape
         a, p = anchors.shape[1], self.cfg.block_size
@@ -300,7 +351,7 @@ class BlockDrafter(nnx.Module):
         same_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, a * p, a * p))
         mask = jnp.concatenate([sees_context, same_block], axis=2)
         hidden = self.blocks(x, positions, self.context_keys_values(features, pos_t), mask)  # [B, A·P, D]
-        logits = head.logits(hidden)
+        logits = (draft_head or head).logits(hidden)
         return DrafterOutput(hidden=hidden.reshape(b, a, p, -1), logits=logits.reshape(b, a, p, -1))
 
     def token_terms(self, head: TargetHead) -> Float[Array, "3 V"]:

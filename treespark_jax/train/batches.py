@@ -32,6 +32,9 @@ class TreeBatch:
       valid: ``[B, Tr, N]`` bool verified real nodes (all False for an unused slot).
       accepted: ``[B, Tr, N]`` bool accepted nodes.
       node_hidden: ``[B, Tr, N + 1, D]`` float32 target final-norm hidden state per verify row.
+      node_lse: ``[B, Tr, N + 1]`` float32 whole-vocabulary logsumexp per verify row at the rule's
+        temperature (``rollout_records``).
+      node_top: ``[B, Tr, N + 1]`` int32 the target's argmax token per verify row.
       temp: ``[B, Tr]`` float32 temperature the tree was verified at.
     """
 
@@ -43,6 +46,8 @@ class TreeBatch:
     valid: Bool[Array, "B Tr N"]
     accepted: Bool[Array, "B Tr N"]
     node_hidden: Float[Array, "B Tr N+1 D"]
+    node_lse: Float[Array, "B Tr N+1"]
+    node_top: Int[Array, "B Tr N+1"]
     temp: Float[Array, "B Tr"]
 
 
@@ -56,6 +61,8 @@ class TrainBatch:
       lengths: ``[B]`` int32 real tokens per row.
       features: ``[B, T, m·D]`` float32 target features of the rollout's layer ids.
       hidden: ``[B, T, D]`` float32 target final-norm hidden states.
+      target_lse: ``[B, T]`` float32 whole-vocabulary logsumexp of the target's logits per position.
+      target_top: ``[B, T]`` int32 the target's argmax token per position.
       anchors: ``[B, A]`` int32 gold-chain anchor positions, ``-1`` = unused.
       trees: the logged trees, or ``None`` (plain rollouts, or a loss that does not use them).
     """
@@ -65,6 +72,8 @@ class TrainBatch:
     lengths: Int[Array, "B"]
     features: Float[Array, "B T X"]
     hidden: Float[Array, "B T D"]
+    target_lse: Float[Array, "B T"]
+    target_top: Int[Array, "B T"]
     anchors: Int[Array, "B A"]
     trees: TreeBatch | None = None
 
@@ -99,6 +108,7 @@ def _tree_rows(trees: dict[str, Any], length: int, n_trees: int, rng: np.random.
     rows = {name: take(name, np.int32) for name in ("tokens", "parents", "depths", "sibling_rank")}
     rows.update(anchor_pos=take("anchor_pos", np.int32, -1), valid=take("valid", bool),
                 accepted=take("accepted", bool), node_hidden=take("node_hidden", np.float32),
+                node_lse=take("node_lse", np.float32), node_top=take("node_top", np.int32),
                 temp=np.full((n_trees,), float(trees["temp"]), np.float32))
     return rows
 
@@ -129,7 +139,8 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
     x, d = records[0]["features"].shape[1], records[0]["hidden"].shape[1]
     out = dict(tokens=np.zeros((b, seq_len), np.int32), loss_mask=np.zeros((b, seq_len), bool),
                lengths=np.zeros((b,), np.int32), features=np.zeros((b, seq_len, x), np.float32),
-               hidden=np.zeros((b, seq_len, d), np.float32), anchors=np.zeros((b, n_anchors), np.int32))
+               hidden=np.zeros((b, seq_len, d), np.float32), target_lse=np.zeros((b, seq_len), np.float32),
+               target_top=np.zeros((b, seq_len), np.int32), anchors=np.zeros((b, n_anchors), np.int32))
     tree_rows = []
     for i, rec in enumerate(records):
         n = min(len(rec["tokens"]), seq_len)
@@ -138,6 +149,8 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
         out["lengths"][i] = n
         out["features"][i, :n] = np.asarray(rec["features"][:n], np.float32)
         out["hidden"][i, :n] = np.asarray(rec["hidden"][:n], np.float32)
+        out["target_lse"][i, :n] = rec["target_lse"][:n]
+        out["target_top"][i, :n] = rec["target_top"][:n]
         out["anchors"][i] = sample_anchors(out["loss_mask"][i], n, n_anchors, rng)
         if n_trees:
             tree_rows.append(_tree_rows(rec["trees"], n, n_trees, rng) if "trees" in rec else None)
@@ -150,7 +163,9 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
         empty = dict(anchor_pos=np.full((n_trees,), -1, np.int32),
                      **{k: np.zeros((n_trees, budget), np.int32) for k in ("tokens", "parents", "depths", "sibling_rank")},
                      valid=np.zeros((n_trees, budget), bool), accepted=np.zeros((n_trees, budget), bool),
-                     node_hidden=np.zeros((n_trees, budget + 1, d), np.float32), temp=np.zeros((n_trees,), np.float32))
+                     node_hidden=np.zeros((n_trees, budget + 1, d), np.float32),
+                     node_lse=np.zeros((n_trees, budget + 1), np.float32), node_top=np.zeros((n_trees, budget + 1), np.int32),
+                     temp=np.zeros((n_trees,), np.float32))
         rows = [r if r is not None else empty for r in tree_rows]
         trees = TreeBatch(**{k: np.stack([r[k] for r in rows]) for k in empty})
     return TrainBatch(**out, trees=trees)

@@ -16,6 +16,15 @@ Choices the design leaves open:
   soon as the tail is small, which is what training drives (the target's tokens get mass and
   therefore enter the pool). Training on the pool would give a target token outside it no
   gradient to get in, and its CE would be infinite.
+- **The draft vocabulary.** A drafter with a draft vocabulary of ``K`` tokens
+  (``DrafterConfig.draft_vocab``) is trained on what inference drafts from: its logits cover
+  those ``K`` columns only, and so do the target's, read through the same restricted head. The
+  target's distribution stays normalised over the *whole* vocabulary, by the logsumexp each
+  rollout stores per row (``TargetHead.normaliser``), so ``log p`` on the columns is exact and
+  the mass outside them, the *tail*, is known: ``‖q − p‖₁ = Σ_K |q − p| + tail`` is exactly the
+  L1 distance of the drafter's distribution (which has no mass outside) to the target's, and
+  so is the acceptance ``1 − ½‖q − p‖₁``. A gold label outside the columns cannot be drafted:
+  its cross-entropy is left out of the mean (the L1 term still counts its mass).
 - **Temperature 1 on the chain.** ``p_t = softmax(target logits)``: a drafter with
   ``q = p_t`` also matches at every temperature (both are scaled by ``1/temp`` identically) and
   ranks like the target at temperature 0, so one drafter serves all temperatures.
@@ -100,9 +109,32 @@ def weighted_mean(values: Float[Array, "..."], weights: Float[Array, "..."]) -> 
     return jnp.sum(weights * values) / jnp.where(total > 0, total, 1)
 
 
-def l1_distance(log_q: Float[Array, "... V"], log_p: Float[Array, "... V"]) -> Float[Array, "..."]:
-    """``‖q − p‖₁`` of two log-distributions, ``[..., V] -> [...]`` (in [0, 2])."""
-    return jnp.sum(jnp.abs(jnp.exp(log_q) - jnp.exp(log_p)), axis=-1)
+def l1_distance(log_q: Float[Array, "... V"], log_p: Float[Array, "... V"], tail: Float[Array, "..."] | float = 0.0
+                ) -> Float[Array, "..."]:
+    """``‖q − p‖₁`` of two log-distributions, ``[..., V] -> [...]`` (in [0, 2]).
+
+    ``tail`` is ``p``'s mass outside the ``V`` columns (``q`` has none there): it adds to the distance.
+    """
+    return jnp.sum(jnp.abs(jnp.exp(log_q) - jnp.exp(log_p)), axis=-1) + tail
+
+
+def target_log_probs(target_logits: Float[Array, "... V"], lse: Float[Array, "..."] | None = None
+                     ) -> tuple[Float[Array, "... V"], Float[Array, "..."]]:
+    """``(log p, tail)`` of the target on the logit columns, no gradient (module docstring).
+
+    Args:
+      target_logits: ``[..., V]`` the target's logits on the drafter's columns.
+      lse: ``[...]`` the logsumexp of the target's logits over its whole vocabulary, or ``None``
+        when the columns are the whole vocabulary (then ``p = softmax(target_logits)``, tail 0).
+
+    Returns:
+      ``log p [..., V]`` (float32 at least) and ``tail [...]``, the mass outside the columns, in [0, 1].
+    """
+    logits = as_float(jax.lax.stop_gradient(target_logits))
+    if lse is None:
+        return jax.nn.log_softmax(logits, axis=-1), jnp.zeros(logits.shape[:-1], logits.dtype)
+    log_p = logits - as_float(jax.lax.stop_gradient(lse))[..., None]
+    return log_p, jnp.clip(1 - jnp.sum(jnp.exp(log_p), axis=-1), 0, 1)
 
 
 def binary_cross_entropy(logits: Float[Array, "..."], targets: Float[Array, "..."]) -> Float[Array, "..."]:
@@ -111,8 +143,17 @@ def binary_cross_entropy(logits: Float[Array, "..."], targets: Float[Array, "...
 
 
 def gold_cross_entropy(log_q: Float[Array, "... V"], labels: Int[Array, "..."]) -> Float[Array, "..."]:
-    """``−log q(label)``, ``[..., V] × [...] -> [...]``."""
-    return -jnp.take_along_axis(log_q, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    """``−log q(label)``, ``[..., V] × [...] -> [...]``; 0 for a label column ``≥ V`` (outside the
+    columns: mask it out of any mean, ``in_columns``)."""
+    labels = labels.astype(jnp.int32)
+    ce = -jnp.take_along_axis(log_q, jnp.clip(labels, 0, log_q.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+    return jnp.where(in_columns(labels, log_q.shape[-1]), ce, 0)
+
+
+def in_columns(labels: Int[Array, "..."], width: int) -> Bool[Array, "..."]:
+    """The label columns that exist among ``width`` logit columns (a restricted head maps a token
+    outside its draft vocabulary to column ``width``, ``TargetHead.columns``)."""
+    return (labels >= 0) & (labels < width)
 
 
 def slot_weights(mask: Bool[Array, "B P"], decay: float) -> Float[Array, "B P"]:
@@ -190,16 +231,17 @@ def markov_logits(base: Float[Array, "B P V"], prev_tokens: Int[Array, "B P"],
     return base + jnp.einsum("BPR,RV->BPV", parent[prev_tokens], child).astype(base.dtype)
 
 
-def chain_acceptance(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P V"]
-                     ) -> Float[Array, "B P"]:
+def chain_acceptance(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P V"],
+                     target_lse: Float[Array, "B P"] | None = None) -> Float[Array, "B P"]:
     """Per-depth acceptance estimate ``α_j = 1 − ½‖q_j − p_t‖₁`` (temperature 1, no gradient to ``p_t``).
 
     ``α_j`` is the probability that rejection sampling accepts a depth-``j + 1`` draft from
-    ``q_j`` given its parent was accepted (Leviathan et al. 2023, §3.5).
+    ``q_j`` given its parent was accepted (Leviathan et al. 2023, §3.5). ``target_lse``: see
+    ``target_log_probs`` (``None``: the columns are the whole vocabulary).
     """
     log_q = jax.nn.log_softmax(as_float(q_logits), axis=-1)
-    log_p = jax.nn.log_softmax(as_float(jax.lax.stop_gradient(target_logits)), axis=-1)
-    return 1 - 0.5 * l1_distance(log_q, log_p)
+    log_p, tail = target_log_probs(target_logits, target_lse)
+    return 1 - 0.5 * l1_distance(log_q, log_p, tail)
 
 
 def expected_chain_tau(alpha: Float[Array, "B P"], mask: Bool[Array, "B P"]) -> Float[Array, ""]:
@@ -224,7 +266,8 @@ def dflash(base_logits: Float[Array, "B P V"], labels: Int[Array, "B P"], mask: 
 
     Args:
       base_logits: ``[B, P, V]`` base logits ``U_j`` (no Markov head).
-      labels, mask: ``[B, P]`` from ``align_blocks``.
+      labels, mask: ``[B, P]`` from ``align_blocks``; labels are logit columns (a column ``≥ V``,
+        a token outside a draft vocabulary, is left out).
       cfg: ``dflash_decay`` (``None`` = ``default_decay(P)``).
 
     Returns:
@@ -232,13 +275,14 @@ def dflash(base_logits: Float[Array, "B P V"], labels: Int[Array, "B P"], mask: 
     """
     decay = cfg.dflash_decay or default_decay(base_logits.shape[1])
     ce = gold_cross_entropy(jax.nn.log_softmax(as_float(base_logits), axis=-1), labels)
-    total = weighted_mean(ce, slot_weights(mask, decay))
+    total = weighted_mean(ce, slot_weights(mask & in_columns(labels, base_logits.shape[-1]), decay))
     return total, {"ce": total}
 
 
 def dspark(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P V"], labels: Int[Array, "B P"],
            mask: Bool[Array, "B P"], confidence_logits: Float[Array, "B P"] | None = None,
-           cfg: LossConfig = LossConfig()) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+           cfg: LossConfig = LossConfig(), target_lse: Float[Array, "B P"] | None = None
+           ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """DSpark loss on the gold chain: ``0.1·CE + 0.9·‖q − p_t‖₁ + 1.0·BCE(c_j, sg(α_j))``.
 
     ``q`` is the Markov-head distribution teacher-forced with the gold previous token
@@ -249,19 +293,23 @@ def dspark(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P V"]
     Args:
       q_logits: ``[B, P, V]`` ``U_j + A(t_prev, ·)``.
       target_logits: ``[B, P, V]`` the target's logits at rows ``a + j`` (temperature 1).
-      labels, mask: ``[B, P]`` from ``align_blocks``.
+      labels, mask: ``[B, P]`` from ``align_blocks``; labels are logit columns (a column ``≥ V``,
+        a token outside a draft vocabulary, is left out of the CE).
       confidence_logits: ``[B, P]`` ``logit c_j`` with the gold ``t_prev``, or ``None`` for a
         drafter without a confidence head (the term is then left out of total and terms).
       cfg: ``chain_*`` weights and decay.
+      target_lse: ``[B, P]`` the target's whole-vocabulary logsumexp when the columns are a
+        draft vocabulary (``target_log_probs``), else ``None``.
 
     Returns:
       ``(total, {"ce", "l1"[, "bce"]})``.
     """
     log_q = jax.nn.log_softmax(as_float(q_logits), axis=-1)
-    log_p = jax.nn.log_softmax(as_float(jax.lax.stop_gradient(target_logits)), axis=-1)
+    log_p, tail = target_log_probs(target_logits, target_lse)
     weights = slot_weights(mask, cfg.chain_decay)
-    l1 = l1_distance(log_q, log_p)
-    terms = {"ce": weighted_mean(gold_cross_entropy(log_q, labels), weights),
+    l1 = l1_distance(log_q, log_p, tail)
+    ce_weights = jnp.where(in_columns(labels, log_q.shape[-1]), weights, 0)
+    terms = {"ce": weighted_mean(gold_cross_entropy(log_q, labels), ce_weights),
              "l1": weighted_mean(l1, weights)}
     total = cfg.chain_ce * terms["ce"] + cfg.chain_l1 * terms["l1"]
     if confidence_logits is not None:

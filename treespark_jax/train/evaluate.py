@@ -64,9 +64,10 @@ def gold_prefix_in_tree(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[
 def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_cfg: TreeConfig | None):
     """Sums over one batch: blocks, chain τ, tree τ (0 without a tree), α per depth and its count."""
     drafter = nnx.merge(graphdef, params)
-    out = drafter.packed(batch.tokens, batch.features, batch.anchors, head)
-    chain = gold_chain(drafter, head, batch, out)
-    alpha = chain_acceptance(chain.q, chain.target_logits)
+    draft_head = None if drafter.draft_vocab is None else head.restricted(drafter.draft_vocab[...])
+    out = drafter.packed(batch.tokens, batch.features, batch.anchors, head, draft_head)
+    chain = gold_chain(drafter, head, batch, out, draft_head)
+    alpha = chain_acceptance(chain.q, chain.target_logits, chain.target_lse)
     used = chain.mask[:, 0]
     survive = jnp.cumprod(jnp.where(chain.mask, alpha, 0), axis=-1)
     chain_tau = jnp.sum(jnp.where(used, 1 + jnp.sum(survive, -1), 0))
@@ -74,9 +75,9 @@ def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_c
     if tree_cfg is not None:
         flat = DrafterOutput(hidden=out.hidden.reshape(-1, *out.hidden.shape[2:]),
                              logits=out.logits.reshape(-1, *out.logits.shape[2:]))
-        proposal = drafter.proposal(flat, drafter.token_terms(head))
+        proposal = drafter.proposal(flat, drafter.token_terms(head), None if draft_head is None else draft_head.vocab_ids)
         tree = build_tree(proposal, chain.prev_tokens[:, 0], tree_cfg, temp=0.0, top_p=1.0, sample=False)
-        accepted = gold_prefix_in_tree(tree, chain.labels, chain.mask)
+        accepted = gold_prefix_in_tree(tree, chain.gold, chain.mask)
         tree_tau = jnp.sum(jnp.where(used, 1 + accepted, 0))
     w = chain.mask.astype(alpha.dtype)
     return jnp.sum(used), chain_tau, tree_tau, jnp.sum(alpha * w, 0), jnp.sum(w, 0)
@@ -87,7 +88,8 @@ def evaluate_drafter(drafter: BlockDrafter, head: TargetHead, batches: Iterable[
     """Pooled offline metrics of ``drafter`` over ``batches`` of held-out rollouts.
 
     Args:
-      drafter: the block drafter.
+      drafter: the block drafter (with a draft vocabulary it is evaluated on those columns, as it
+        drafts: ``train.objective``).
       head: the target's frozen embedding and LM head.
       batches: ``TrainBatch`` es (gold-chain anchors only; trees are not used).
       tree: builder settings for the tree τ (``None``: chain metrics only). Meaningful for

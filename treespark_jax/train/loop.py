@@ -22,12 +22,18 @@ layout.
 The target's weights are loaded only for its embedding and LM head (``TargetHead``), which the
 drafter shares frozen; features and ``p_t`` come from the rollouts. For SmolLM2-135M that is
 ≈ 0.5 GB of float32 for a moment; the rest of the target is dropped before training.
+
+A draft vocabulary (``draft_vocab`` among the drafter fields, ``--draft-vocab K``: the ``K`` most
+frequent tokens of the rollouts, ``train.draft_vocab``; or the ``--init`` drafter's own) is
+trained on directly: the step's LM heads cover its ``K`` columns only, the target normalised by
+the logsumexp the rollouts store (``train.objective``), and the drafter is saved with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -49,6 +55,7 @@ from treespark_jax.methods import drafter_config
 from treespark_jax.sharding import DATA, MeshShape, Partitioner, make_mesh, process_data_block
 from treespark_jax.train.checkpointing import TrainCheckpoints
 from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
+from treespark_jax.train.draft_vocab import frequency_ranked_vocab
 from treespark_jax.train.losses import LOSSES, LossConfig
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
 from treespark_jax.train.optim import learning_rate, make_optimizer
@@ -130,10 +137,17 @@ def _check_same_run(path: Path, identity: dict[str, Any]) -> None:
 
 
 def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, init: str | None,
-             fields: dict[str, Any], dtype, seed: int) -> BlockDrafter:
-    """A fresh drafter with ``loss``'s heads; with ``init``, every parameter the checkpoint shares
-    (same path and shape: backbone, Markov head, …) is copied from it, the rest stays fresh — so a
-    ``treespark`` drafter (edge head) can start from a ``dspark`` one (confidence head)."""
+             init_layers: Sequence[int] | None, fields: dict[str, Any], dtype, seed: int
+             ) -> tuple[BlockDrafter, np.ndarray | None]:
+    """A fresh drafter with ``loss``'s heads and its draft vocabulary's ids (``None``: the whole
+    vocabulary).
+
+    With ``init``, every parameter the checkpoint shares (same path and shape: backbone, Markov
+    head, …) is copied from it, the rest stays fresh — so a ``treespark`` drafter (edge head) can
+    start from a ``dspark`` one (confidence head) — and its draft vocabulary is kept unless
+    ``fields`` name one. The returned drafter itself has none: the step takes the restricted head.
+    With ``init_layers``, drafter layer ``i`` starts as a copy of target layer ``init_layers[i]``.
+    """
     base = None
     if init is not None:
         base, meta = load_drafter(init, binding, dtype=dtype)
@@ -142,16 +156,23 @@ def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, in
                              f"carry features of layers {list(rollouts.layer_ids)}.")
         shape = {k: getattr(meta.cfg, k) for k in ("n_layers", "block_size", "pool_size", "markov_rank")}
         fields = {**shape, **fields}
-    cfg = drafter_config(loss, target.cfg, **{"target_layer_ids": rollouts.layer_ids, **fields})
-    drafter = BlockDrafter(cfg, target.cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+    cfg = drafter_config(loss, target.cfg, **{"target_layer_ids": rollouts.layer_ids, **fields})  # checks K
+    ids = None
+    if cfg.draft_vocab:
+        ids = frequency_ranked_vocab(rollouts, cfg.draft_vocab, target.cfg.vocab_size)
+    elif base is not None and base.draft_vocab is not None and "draft_vocab" not in fields:
+        ids = np.asarray(base.draft_vocab[...], np.int32)
+    drafter = BlockDrafter(dataclasses.replace(cfg, draft_vocab=0), target.cfg, rngs=nnx.Rngs(seed), dtype=dtype)
     if base is not None:
         warm_start(drafter, base)
-    return drafter
+    if init_layers is not None:
+        drafter.copy_target_layers(target.model, init_layers)
+    return drafter, ids
 
 
 def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Path, cfg: TrainConfig = TrainConfig(),
           *, target: str | None = None, dtype: str = "float32", drafter_fields: dict[str, Any] | None = None,
-          init: str | None = None, loss_cfg: LossConfig = LossConfig(),
+          init: str | None = None, init_layers: Sequence[int] | None = None, loss_cfg: LossConfig = LossConfig(),
           mesh: str | MeshShape | Mesh | None = None, mesh_size: int | None = None,
           stop_after: int | None = None, tx: optax.GradientTransformation | None = None,
           progress: bool = True) -> TrainResult:
@@ -164,8 +185,11 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
       cfg: batch, optimizer, schedule, bookkeeping.
       target: preset or path of the target; default the one named in the rollouts' manifest.
       dtype: the target head's and the drafter's dtype (float32 on CPU).
-      drafter_fields: ``DrafterConfig`` overrides (``n_layers``, ``block_size``, ``pool_size``, …).
+      drafter_fields: ``DrafterConfig`` overrides (``n_layers``, ``block_size``, ``pool_size``,
+        ``draft_vocab`` (0 = the whole vocabulary), …).
       init: start from this drafter checkpoint instead of a random drafter.
+      init_layers: start drafter layer ``i`` as a copy of target decoder layer ``init_layers[i]``
+        (0-based; one per drafter layer) instead of random weights; not with ``init``.
       loss_cfg: loss term weights.
       mesh: the device mesh: a ``Mesh``, a ``MeshShape`` or a ``--mesh`` string
         (``"data=4,model=2"``); default every device on ``data``.
@@ -189,6 +213,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
 
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r} is unknown; choose one of {', '.join(LOSSES)}.")
+    if init is not None and init_layers is not None:
+        raise ValueError("--init and --init-layers both set the drafter's layers; choose one.")
     if stop_after is not None and not 1 <= stop_after <= cfg.steps:
         raise ValueError(f"--stop-after {stop_after} must lie in [1, steps={cfg.steps}].")
     if Path(out).exists() and not Path(out).is_dir():
@@ -210,7 +236,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
                          "or more.")
     rule, budget = tree_layout(rs) if loss == "treespark" else (None, 1)
     jdtype = getattr(jax.numpy, dtype)
-    drafter = _drafter(loss, loaded, binding, rs, init, drafter_fields or {}, jdtype, cfg.seed)
+    drafter, vocab_ids = _drafter(loss, loaded, binding, rs, init, init_layers, drafter_fields or {}, jdtype,
+                                  cfg.seed)
     head = TargetHead.of(loaded.model, jdtype)
     rules = Partitioner.for_model(mesh, loaded.cfg)
     del loaded
@@ -218,8 +245,10 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     out = Path(out).absolute()
     identity = _json({"loss": loss, "loss_config": dataclasses.asdict(loss_cfg), "train": dataclasses.asdict(cfg),
                       "drafter": dataclasses.asdict(drafter.cfg), "target": dataclasses.asdict(binding),
+                      "draft_vocab": None if vocab_ids is None else hashlib.sha256(vocab_ids.tobytes()).hexdigest(),
                       "rollouts": [str(d.absolute()) for d in dirs], "records": len(rs),
                       "init": str(Path(init).absolute()) if init else None,
+                      "init_layers": None if init_layers is None else [int(i) for i in init_layers],
                       "dtype": dtype, "optimizer": "adamw" if tx is None else "custom"})
     run_file = out / RUN_FILE
     if run_file.exists():
@@ -253,6 +282,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         else:
             state = rules.place(state)
         head = jax.device_put(head, replicated(mesh))
+        draft_head = None if vocab_ids is None else jax.device_put(head.restricted(vocab_ids), replicated(mesh))
         end = max(start, min(stop_after or cfg.steps, cfg.steps))
         step_fn = TrainStep(graphdef, tx, loss, loss_cfg, rule, mesh, rules).jitted(state)
 
@@ -263,7 +293,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         try:
             for s in range(start, end):
                 batch = global_batch(next(iterator), mesh)
-                state, metrics = step_fn(state, head, batch)
+                state, metrics = step_fn(state, head, batch, draft_head)
                 history.append(metrics)
                 log.advance()
                 done = s + 1
@@ -289,6 +319,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
             path = out / "drafter"
             if primary:
                 final = nnx.merge(graphdef, params)
+                final = final if vocab_ids is None else final.with_draft_vocab(vocab_ids)
                 training = {"loss": loss, "loss_config": identity["loss_config"], "train": identity["train"],
                             "rollouts": identity["rollouts"], "records": len(rs), "steps": cfg.steps, "metrics": last,
                             "init": init}

@@ -4,6 +4,12 @@ Gold-chain anchors and logged-tree anchors of a sequence share one ``BlockDrafte
 call, so every block is exactly the block inference drafts from that anchor. Targets come
 from the rollout's final-norm hidden states through the target's frozen LM head (``p_t`` of
 slot ``j`` = the row of position ``a + j``, ``chain_losses.align_blocks``). DESIGN.md §1.4.
+
+With a draft head (``TargetHead.restricted`` of a draft vocabulary) the drafter's logits and the
+target's cover the draft vocabulary's ``K`` columns only, as at inference; the target is
+normalised over its whole vocabulary by the logsumexp the rollout stored, labels and tree tokens
+become columns (``K`` for a token outside), and tree nodes outside the columns are left out
+(``chain_losses``' module docstring says what stays exact).
 """
 
 from __future__ import annotations
@@ -26,29 +32,40 @@ def _flat(x):
     return x.reshape(-1, *x.shape[2:])
 
 
-def _logged_trees(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, logits, hidden
+def _markov_columns(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, dtype):
+    """The Markov head's ``E [V, R]`` and ``W [R, K]`` on the logit columns (``R = 0`` without one)."""
+    markov = drafter.markov
+    if markov is None:
+        return jnp.zeros((head.embed.shape[0], 0), dtype), jnp.zeros((0, cols.embed.shape[0]), dtype)
+    child = markov.child[...]
+    return markov.parent[...], child if cols.vocab_ids is None else child[:, cols.vocab_ids]
+
+
+def _logged_trees(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, batch: TrainBatch, logits, hidden
                   ) -> tuple[LoggedTrees, Float[Array, "Tr R V"], Float[Array, "Tr N"] | None]:
     """The trees of ``batch`` with the drafter's child logits and edge logits at their nodes."""
     t = batch.trees
     anchor_tok = _flat(jnp.take_along_axis(batch.tokens, jnp.maximum(t.anchor_pos, 0), axis=1))
     used = _flat(t.anchor_pos >= 0)
+    columns = cols.columns(_flat(t.tokens))
+    drafted = columns < cols.embed.shape[0]  # a node outside the draft vocabulary cannot be drafted
     tree = DraftTree(tokens=_flat(t.tokens), parents=_flat(t.parents), depths=_flat(t.depths),
                      sibling_rank=_flat(t.sibling_rank), pool_index=jnp.zeros_like(_flat(t.tokens)),
-                     valid=_flat(t.valid) & used[:, None], score=jnp.zeros(_flat(t.tokens).shape, jnp.float32))
-    markov = drafter.markov
-    v = head.embed.shape[0]
-    parent = markov.parent[...] if markov is not None else jnp.zeros((v, 0), logits.dtype)
-    child = markov.child[...] if markov is not None else jnp.zeros((0, v), logits.dtype)
+                     valid=_flat(t.valid) & used[:, None] & drafted,
+                     score=jnp.zeros(_flat(t.tokens).shape, jnp.float32))
+    parent, child = _markov_columns(drafter, head, cols, logits.dtype)
     child_logits = tree_child_logits(logits, anchor_tok, tree, parent, child)
     edge = None
     if drafter.edge is not None:
         e = drafter.edge
         terms = e.token_terms(head.embed)
         edge = tree_edge_logits(child_logits, tree, anchor_tok, e.scale[...], e.bias[...] + hidden @ e.w_hidden[...],
-                                terms[0], terms[1])
-    target = head.logits(_flat(t.node_hidden).astype(logits.dtype))  # [Tr, N + 1, V]
+                                terms[0], terms[1], columns)
+    target = cols.logits(_flat(t.node_hidden).astype(logits.dtype))  # [Tr, N + 1, K]
     logged = LoggedTrees(tree=tree, accepted=_flat(t.accepted) & tree.valid, target_logits=target,
-                         temp=_flat(t.temp))
+                         temp=_flat(t.temp), columns=columns)
+    if cols.vocab_ids is not None:  # the argmax and the normaliser over the whole vocabulary, as stored
+        logged = logged.replace(top_columns=cols.columns(_flat(t.node_top)), target_lse=_flat(t.node_lse))
     return logged, child_logits, edge
 
 
@@ -61,38 +78,57 @@ class GoldChain:
       q: ``[K, P, V]`` child logits ``U_j + A(t_prev, ·)`` teacher-forced with the gold parent
         (``base`` without a Markov head).
       target_logits: ``[K, P, V]`` the target's logits at rows ``a + j`` (frozen LM head).
+      target_lse: ``[K, P]`` their whole-vocabulary logsumexp when the columns are a draft
+        vocabulary (from the rollout), else ``None``.
       confidence: ``[K, P]`` DSpark confidence logits, or ``None``.
-      labels, mask, prev_tokens: ``[K, P]`` alignment (``losses.align_blocks``).
+      labels: ``[K, P]`` the gold labels' logit columns (``V`` for a token outside the columns).
+      gold: ``[K, P]`` the gold labels' token ids.
+      mask, prev_tokens: ``[K, P]`` alignment (``losses.align_blocks``).
+
+    ``V`` here is the number of logit columns: the vocabulary, or the draft vocabulary.
     """
 
     base: Float[Array, "K P V"]
     q: Float[Array, "K P V"]
     target_logits: Float[Array, "K P V"]
+    target_lse: Float[Array, "K P"] | None
     confidence: Float[Array, "K P"] | None
     labels: Int[Array, "K P"]
+    gold: Int[Array, "K P"]
     mask: Bool[Array, "K P"]
     prev_tokens: Int[Array, "K P"]
 
 
-def gold_chain(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, out: DrafterOutput) -> GoldChain:
-    """Aligns the first ``A`` blocks of a packed forward ``out`` with the batch's gold tokens."""
+def gold_chain(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, out: DrafterOutput,
+               draft_head: TargetHead | None = None) -> GoldChain:
+    """Aligns the first ``A`` blocks of a packed forward ``out`` (computed with ``draft_head``,
+    if any) with the batch's gold tokens."""
     p, a = drafter.cfg.block_size, batch.anchors.shape[1]
+    cols = draft_head or head
     align = jax.vmap(lambda t, m, an, n, h: align_blocks(t, m, an, p, n, h))(
         batch.tokens, batch.loss_mask, batch.anchors, batch.lengths, batch.hidden)
     prev = _flat(align.prev_tokens)
     base = _flat(out.logits[:, :a])
     q = base
     if drafter.markov is not None:
-        q = markov_logits(base, prev, drafter.markov.parent[...], drafter.markov.child[...])
+        q = markov_logits(base, prev, *_markov_columns(drafter, head, cols, base.dtype))
     conf = None
     if drafter.confidence is not None:
         conf = drafter.confidence_logits(_flat(out.hidden[:, :a]), prev, head)
-    return GoldChain(base=base, q=q, target_logits=head.logits(_flat(align.target).astype(base.dtype)),
-                     confidence=conf, labels=_flat(align.labels), mask=_flat(align.mask), prev_tokens=prev)
+    lse = None
+    if cols.vocab_ids is not None:
+        rows = align.rows.reshape(align.rows.shape[0], -1)  # [B, A·P]
+        lse = _flat(jnp.take_along_axis(batch.target_lse, rows, axis=1).reshape(align.rows.shape))
+        # A masked slot's row may precede the last prompt token, where rollouts store no normaliser:
+        # p = 0 there keeps every term finite (the slot has no weight).
+        lse = jnp.where(_flat(align.mask), lse, jnp.inf)
+    return GoldChain(base=base, q=q, target_logits=cols.logits(_flat(align.target).astype(base.dtype)),
+                     target_lse=lse, confidence=conf, labels=cols.columns(_flat(align.labels)),
+                     gold=_flat(align.labels), mask=_flat(align.mask), prev_tokens=prev)
 
 
 def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, loss: str,
-              cfg: LossConfig = LossConfig(), rule: str | None = None
+              cfg: LossConfig = LossConfig(), rule: str | None = None, draft_head: TargetHead | None = None
               ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The loss ``loss`` of ``drafter`` on ``batch`` and its metrics (traceable; differentiate
     with respect to the drafter's parameters).
@@ -105,6 +141,8 @@ def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, los
       loss: one of ``losses.LOSSES``.
       cfg: term weights.
       rule: static verify rule of the logged trees (``treespark`` only).
+      draft_head: ``head.restricted(draft vocabulary)`` to train on those columns only (module
+        docstring), or ``None`` for the whole vocabulary.
 
     Returns:
       ``(total, metrics)``: metrics holds every loss term by name, ``loss`` (the total),
@@ -122,19 +160,20 @@ def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, los
     a = batch.anchors.shape[1]
     with_trees = loss == "treespark"
     anchors = jnp.concatenate([batch.anchors, batch.trees.anchor_pos], axis=1) if with_trees else batch.anchors
-    out = drafter.packed(batch.tokens, batch.features, anchors, head)
-    chain = gold_chain(drafter, head, batch, out)
-    base, q, target_logits, conf = chain.base, chain.q, chain.target_logits, chain.confidence
+    out = drafter.packed(batch.tokens, batch.features, anchors, head, draft_head)
+    chain = gold_chain(drafter, head, batch, out, draft_head)
+    base, q, target_logits, lse, conf = chain.base, chain.q, chain.target_logits, chain.target_lse, chain.confidence
     labels, mask = chain.labels, chain.mask
     if loss == "dflash":
         total, terms = dflash(base, labels, mask, cfg)
     elif loss == "dspark":
-        total, terms = dspark(q, target_logits, labels, mask, conf, cfg)
+        total, terms = dspark(q, target_logits, labels, mask, conf, cfg, lse)
     else:
-        logged, child_logits, edge = _logged_trees(drafter, head, batch, _flat(out.logits[:, a:]),
-                                                   _flat(out.hidden[:, a:]))
-        total, terms = treespark(q, target_logits, labels, mask, child_logits, edge, logged, rule, conf, cfg)
-    alpha = chain_acceptance(q, target_logits)
+        logged, child_logits, edge = _logged_trees(drafter, head, draft_head or head, batch,
+                                                   _flat(out.logits[:, a:]), _flat(out.hidden[:, a:]))
+        total, terms = treespark(q, target_logits, labels, mask, child_logits, edge, logged, rule, conf, cfg,
+                                 target_lse=lse)
+    alpha = chain_acceptance(q, target_logits, lse)
     w = mask.astype(alpha.dtype)
     metrics = dict(terms, loss=total, tau=expected_chain_tau(alpha, mask),
                    alpha=jnp.sum(alpha * w, 0) / jnp.maximum(jnp.sum(w, 0), 1))

@@ -9,6 +9,10 @@ of target layer ids, ``R`` = verified rounds, ``N`` = tree budget)::
     features    bfloat16  [T, m·D]    outputs of the target layers ``layer_ids`` (manifest),
                                       concatenated in that order
     hidden      bfloat16  [T, D]      the target's final-norm hidden state (LM-head input)
+    target_lse  float32   [T]         logsumexp of the target's logits over the whole vocabulary,
+                                      from the stored (bfloat16) ``hidden``: training with a
+                                      draft vocabulary reads ``p_t`` on its columns exactly
+    target_top  int32     [T]         argmax token of the same logits
     prompt_set  str                   the prompt's set (or JSONL file stem)
     prompt_id   str                   its id within the set
     seed        int                   the row's request seed (uint32)
@@ -28,6 +32,10 @@ of target layer ids, ``R`` = verified rounds, ``N`` = tree budget)::
     accepted      bool      [R, N]       the node was accepted (prefix-closed, valid only)
     node_hidden   bfloat16  [R, N+1, D]  final-norm hidden state of every verify row, row 0 =
                                          the anchor, row i+1 = node i (so p_u is exact)
+    node_lse      float32   [R, N+1]     logsumexp over the whole vocabulary of the row's logits
+                                         divided by the rule's temperature (``temp``, 1 for greedy
+                                         and temp 0), from the stored ``node_hidden``
+    node_top      int32     [R, N+1]     argmax token of the row's logits
     rule          str                    verify rule: "greedy", "match" or "rejection"
     temp          float                  temperature the tree was verified at
 
@@ -50,8 +58,8 @@ __all__ = ["FEATURE_DTYPE", "RECORD_FIELDS", "TREE_RULES", "RolloutError", "Tree
 
 FEATURE_DTYPE = np.dtype(ml_dtypes.bfloat16)
 TREE_RULES = ("greedy", "match", "rejection")
-RECORD_FIELDS = ("tokens", "loss_mask", "features", "hidden", "prompt_set", "prompt_id", "seed", "temp",
-                 "top_p", "finished")
+RECORD_FIELDS = ("tokens", "loss_mask", "features", "hidden", "target_lse", "target_top", "prompt_set",
+                 "prompt_id", "seed", "temp", "top_p", "finished")
 _TREE_INT_FIELDS = ("tokens", "parents", "depths", "sibling_rank")
 
 
@@ -71,6 +79,8 @@ class TreeLog:
     valid: np.ndarray
     accepted: np.ndarray
     node_hidden: np.ndarray
+    node_lse: np.ndarray
+    node_top: np.ndarray
     rule: str
     temp: float
 
@@ -79,7 +89,8 @@ class TreeLog:
         out = {"anchor_pos": np.asarray(self.anchor_pos, np.int32), "rule": str(self.rule),
                "temp": float(self.temp), "valid": np.asarray(self.valid, bool),
                "accepted": np.asarray(self.accepted, bool),
-               "node_hidden": np.asarray(self.node_hidden).astype(FEATURE_DTYPE)}
+               "node_hidden": np.asarray(self.node_hidden).astype(FEATURE_DTYPE),
+               "node_lse": np.asarray(self.node_lse, np.float32), "node_top": np.asarray(self.node_top, np.int32)}
         out.update({f: np.asarray(getattr(self, f), np.int32) for f in _TREE_INT_FIELDS})
         return out
 
@@ -100,8 +111,10 @@ class TreeLog:
         t = self.to_dict()
         r, n = t["tokens"].shape if t["tokens"].ndim == 2 else (-1, -1)
         if r < 0 or any(t[f].shape != (r, n) for f in (*_TREE_INT_FIELDS, "valid", "accepted")) \
-                or t["anchor_pos"].shape != (r,) or t["node_hidden"].shape != (r, n + 1, d_model):
-            raise RolloutError("tree log arrays must be [R, N] (node_hidden [R, N+1, D], anchor_pos [R]); got "
+                or t["anchor_pos"].shape != (r,) or t["node_hidden"].shape != (r, n + 1, d_model) \
+                or t["node_lse"].shape != (r, n + 1) or t["node_top"].shape != (r, n + 1):
+            raise RolloutError("tree log arrays must be [R, N] (node_hidden [R, N+1, D], node_lse and node_top "
+                               "[R, N+1], anchor_pos [R]); got "
                                + ", ".join(f"{k} {v.shape}" for k, v in t.items() if isinstance(v, np.ndarray)))
         if t["rule"] not in TREE_RULES or not t["temp"] >= 0:
             raise RolloutError(f"tree log rule {t['rule']!r} / temp {t['temp']} must be one of "
@@ -121,8 +134,9 @@ class TreeLog:
             raise RolloutError("an accepted tree node's token differs from the committed token at its position.")
 
 
-def make_record(tokens, prompt_len: int, features, hidden, *, prompt_set: str, prompt_id: str, seed: int,
-                temp: float, top_p: float, finished: bool, trees: TreeLog | None = None) -> dict[str, Any]:
+def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_top, *, prompt_set: str,
+                prompt_id: str, seed: int, temp: float, top_p: float, finished: bool,
+                trees: TreeLog | None = None) -> dict[str, Any]:
     """Builds and checks one record.
 
     Args:
@@ -130,6 +144,8 @@ def make_record(tokens, prompt_len: int, features, hidden, *, prompt_set: str, p
       prompt_len: prompt tokens ``P`` (``0 < P < T``); the loss mask is True at ``P..T-1``.
       features: ``[T, m·D]`` selected-layer features (any float dtype; stored bfloat16).
       hidden: ``[T, D]`` final-norm hidden states (stored bfloat16).
+      target_lse, target_top: ``[T]`` the whole-vocabulary logsumexp and argmax of the logits of
+        the bfloat16-rounded ``hidden`` (``TargetHead.normaliser``).
       prompt_set, prompt_id: where the prompt comes from.
       seed, temp, top_p: the row's generation settings.
       finished: the response ended at a stop token.
@@ -143,6 +159,7 @@ def make_record(tokens, prompt_len: int, features, hidden, *, prompt_set: str, p
     """
     tokens = np.asarray(tokens, np.int32)
     features, hidden = np.asarray(features), np.asarray(hidden)
+    target_lse, target_top = np.asarray(target_lse, np.float32), np.asarray(target_top, np.int32)
     t = len(tokens)
     if not 0 < prompt_len < t:
         raise RolloutError(f"prompt length {prompt_len} must be in [1, {t - 1}] for a record of {t} tokens "
@@ -151,8 +168,12 @@ def make_record(tokens, prompt_len: int, features, hidden, *, prompt_set: str, p
             or features.shape[1] % hidden.shape[1]:
         raise RolloutError(f"features {features.shape} and hidden {hidden.shape} must be [T, m·D] and [T, D] "
                            f"with T = {t} tokens.")
+    if target_lse.shape != (t,) or target_top.shape != (t,) or not np.all(np.isfinite(target_lse)):
+        raise RolloutError(f"target_lse {target_lse.shape} and target_top {target_top.shape} must be [T] with T = {t} "
+                           "tokens, the logsumexp finite.")
     record = {"tokens": tokens, "loss_mask": np.arange(t) >= prompt_len,
               "features": features.astype(FEATURE_DTYPE), "hidden": hidden.astype(FEATURE_DTYPE),
+              "target_lse": target_lse, "target_top": target_top,
               "prompt_set": str(prompt_set), "prompt_id": str(prompt_id), "seed": int(seed),
               "temp": float(temp), "top_p": float(top_p), "finished": bool(finished)}
     if trees is not None:

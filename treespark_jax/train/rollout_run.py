@@ -4,7 +4,10 @@ For each batch of prompts the engine generates the responses (autoregressively, 
 speculatively with a drafter), then **one** causal forward of the target over the batch of
 whole ``prompt + response`` sequences (right-padded to a power-of-two bucket, in the target's
 compute dtype, float32 on CPU) gives every token's selected-layer features and final-norm hidden
-state, stored bfloat16. One batch becomes one shard (see :mod:`~treespark_jax.train.rollout_store`).
+state, stored bfloat16; the LM head over the stored (bfloat16) hidden states gives each row's
+whole-vocabulary logsumexp and argmax (and, for on-policy rollouts, each verify row's, at the
+tree's temperature), which training with a draft vocabulary needs. One batch becomes one shard
+(see :mod:`~treespark_jax.train.rollout_store`).
 
 Only the first user turn of each prompt is answered: MT-Bench's second turns need the model's
 own first answer and are not generated here.
@@ -39,14 +42,19 @@ from treespark_jax.decode import buckets
 from treespark_jax.decode.engine import Engine, Speculation, check_sampling
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.checkpoint import TargetBinding
+from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.train.prompt_sets import PromptRecord
 from treespark_jax.train.prompts import prompt_ids
-from treespark_jax.train.rollout_records import TreeLog, make_record
+from treespark_jax.train.rollout_records import FEATURE_DTYPE, TreeLog, make_record
 from treespark_jax.train.rollout_store import RolloutWriter
 
-__all__ = ["RolloutRun", "RolloutSettings", "prompt_seed", "target_features", "write_rollouts"]
+__all__ = ["RolloutRun", "RolloutSettings", "prompt_seed", "record_arrays", "record_normalisers", "target_features",
+           "target_normalisers", "write_rollouts"]
+
+NORMALISER_ROWS = 256
+"""Hidden states per LM-head call of ``target_normalisers`` (``[256, V]`` float32 logits at a time)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +120,33 @@ def _features_program(graphdef, weights, tokens, lengths, *, layer_ids):
     return out.features.astype(jnp.bfloat16), out.hidden.astype(jnp.bfloat16)
 
 
+@jax.jit
+def _normaliser_program(head: TargetHead, hidden, temperature):
+    return head.normaliser(hidden[None].astype(head.embed.dtype), temperature)
+
+
+def target_normalisers(head: TargetHead, hidden: np.ndarray, temperature: float = 1.0
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Whole-vocabulary logsumexp (of ``logits / temperature``) and argmax of stored hidden states.
+
+    Args:
+      head: the target's whole LM head.
+      hidden: ``[n, D]`` final-norm hidden states as stored (bfloat16), computed on in the head's
+        dtype ``NORMALISER_ROWS`` at a time (one compiled program per head).
+      temperature: positive temperature of the logsumexp (the argmax does not depend on it).
+
+    Returns:
+      ``(lse [n] float32, top [n] int32)``.
+    """
+    n, d = hidden.shape
+    rows = np.zeros((n + (-n % NORMALISER_ROWS), d), hidden.dtype)
+    rows[:n] = hidden
+    parts = [jax.device_get(_normaliser_program(head, rows[i: i + NORMALISER_ROWS], np.float32(temperature)))
+             for i in range(0, len(rows), NORMALISER_ROWS)]
+    return (np.concatenate([p[0][0] for p in parts])[:n].astype(np.float32),
+            np.concatenate([p[1][0] for p in parts])[:n].astype(np.int32))
+
+
 def target_features(model: Decoder, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int]
                     ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per-token target features of whole sequences from one causal forward of the batch.
@@ -133,6 +168,53 @@ def target_features(model: Decoder, sequences: Sequence[Sequence[int]], layer_id
     feats, hidden = jax.device_get(_features_program(graphdef, weights, jnp.asarray(tokens), jnp.asarray(lengths),
                                                      layer_ids=tuple(int(i) for i in layer_ids)))
     return [(feats[i, :n], hidden[i, :n]) for i, n in enumerate(lens)]
+
+
+def record_arrays(model: Decoder, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                  layer_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """``(features, hidden, target_lse, target_top)`` of each sequence, the array fields of a
+    rollout record (``make_record``), from one forward (``target_features``) and the LM head
+    (``record_normalisers`` from each last prompt position)."""
+    feats = target_features(model, sequences, layer_ids)
+    norms = record_normalisers(TargetHead.of(model, model.dtype), [h for _, h in feats],
+                               [n - 1 for n in prompt_lens])
+    return [(*f, *n) for f, n in zip(feats, norms)]
+
+
+def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], starts: Sequence[int]
+                       ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The ``target_lse`` and ``target_top`` fields of records from their stored hidden states.
+
+    Rows before ``starts[i]`` hold 0 (lse) and -1 (top): a writer passes the last prompt
+    position, the first row a response label is predicted from, and skips the LM head over the
+    rest of the prompt (training never reads those rows as targets). All rows of all records go
+    through ``target_normalisers`` together.
+
+    Args:
+      head: the target's whole LM head.
+      hidden: per record ``[T_i, D]`` bfloat16 final-norm hidden states.
+      starts: per record, the first row to compute (``0 ≤ starts[i] < T_i``).
+
+    Returns:
+      Per record ``(lse [T_i] float32, top [T_i] int32)``.
+    """
+    lse, top = target_normalisers(head, np.concatenate([h[s:] for h, s in zip(hidden, starts)]))
+    out, at = [], 0
+    for h, s in zip(hidden, starts):
+        n = len(h) - s
+        out.append((np.concatenate([np.zeros(s, np.float32), lse[at: at + n]]),
+                    np.concatenate([np.full(s, -1, np.int32), top[at: at + n]])))
+        at += n
+    return out
+
+
+def tree_log(log: dict[str, np.ndarray], head: TargetHead, rule: str, temp: float) -> TreeLog:
+    """A row's logged trees (``Engine.generate_logged``) with each verify row's normaliser added."""
+    hidden = np.asarray(log["node_hidden"]).astype(FEATURE_DTYPE)  # as stored
+    warm = 1.0 if rule == "greedy" or temp <= 0 else temp
+    lse, top = target_normalisers(head, hidden.reshape(-1, hidden.shape[-1]), warm)
+    return TreeLog(**log, node_lse=lse.reshape(hidden.shape[:2]), node_top=top.reshape(hidden.shape[:2]), rule=rule,
+                   temp=temp)
 
 
 def _check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> tuple[int, ...]:
@@ -201,6 +283,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
         todo = [p for p in prompts if p.id not in done]
         run = RolloutRun(manifest=writer.manifest, skipped=len(prompts) - len(todo))
         engine = engine or Engine(target.model, target.tokenizer.stop_ids)
+        head = TargetHead.of(target.model, target.model.dtype)
         stop_ids = set(target.tokenizer.stop_ids)
         bar = tqdm(total=len(prompts), initial=run.skipped, unit="prompt", desc="rollouts", disable=not progress)
         with bar:
@@ -209,21 +292,26 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                 ids = [tokenized[p.id] for p in batch]
                 seeds = [prompt_seed(settings.seed, p.set, p.id) for p in batch]
                 t0 = time.perf_counter()
-                if spec is None:
-                    outs, _ = engine.generate(ids, settings.max_new_tokens, settings.temp, settings.top_p, seeds)
+                if spec is None:  # the features come from the generation's own forwards
+                    outs, feats = engine.generate_features(ids, settings.max_new_tokens, layer_ids, settings.temp,
+                                                           settings.top_p, seeds)
                     trees = [None] * len(batch)
                 else:
                     outs, _, logs = engine.generate_logged(ids, settings.max_new_tokens, spec, settings.temp,
                                                            settings.top_p, seeds)
                     rule = "greedy" if settings.temp == 0 else spec.tree.verify
-                    trees = [TreeLog(**log, rule=rule, temp=settings.temp) for log in logs]
+                    trees = [tree_log(log, head, rule, settings.temp) for log in logs]
+                    feats = None
                 t1 = time.perf_counter()
-                feats = target_features(target.model, [p + o for p, o in zip(ids, outs)], layer_ids)
+                if feats is None:  # a second pass: the speculative loop does not log every row's features
+                    feats = target_features(target.model, [p + o for p, o in zip(ids, outs)], layer_ids)
+                norms = record_normalisers(head, [h for _, h in feats], [len(p) - 1 for p in ids])
                 t2 = time.perf_counter()
-                records = [make_record(p + o, len(p), f, h, prompt_set=rec.set, prompt_id=rec.id, seed=s,
+                records = [make_record(p + o, len(p), f, h, lse, top, prompt_set=rec.set, prompt_id=rec.id, seed=s,
                                        temp=settings.temp, top_p=settings.top_p, finished=bool(o) and o[-1] in stop_ids,
                                        trees=tree)
-                           for rec, p, o, (f, h), s, tree in zip(batch, ids, outs, feats, seeds, trees)]
+                           for rec, p, o, (f, h), (lse, top), s, tree in zip(batch, ids, outs, feats, norms, seeds,
+                                                                             trees)]
                 entry = writer.write_shard(records)
                 t3 = time.perf_counter()
                 run.generate_s, run.features_s, run.write_s = (run.generate_s + t1 - t0, run.features_s + t2 - t1,

@@ -16,7 +16,8 @@ file not listed (a temporary, or a shard renamed just before a crash) is discard
 
 ``manifest.json``::
 
-    format, format_version    "treespark-rollouts", 1
+    format, format_version    "treespark-rollouts", 2 (2: records carry target_lse / target_top,
+                              trees node_lse / node_top)
     target                    TargetBinding fields (drafter/checkpoint.py): the target identity
     layer_ids, d_model        the features' target layers (m of them) and width D
     feature_dtype             "bfloat16"
@@ -48,7 +49,7 @@ from treespark_jax.train.rollout_records import RolloutError, encode_record
 __all__ = ["MANIFEST", "RolloutWriter", "read_manifest", "shard_problem"]
 
 MANIFEST = "manifest.json"
-FORMAT, FORMAT_VERSION = "treespark-rollouts", 1
+FORMAT, FORMAT_VERSION = "treespark-rollouts", 2
 WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access without decoding neighbours
 COMPARED = ("family", "vocab_size", "d_model", "n_layers", "weights_sha256")  # the name is not
 _SHARD_NAME = re.compile(r"\.?shard-\d{5,}\.array_record(\.tmp)?")
@@ -84,8 +85,10 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
             or manifest.get("format_version") != FORMAT_VERSION:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        hint = (" (version 1 rollouts lack the target's logsumexp that training reads; write them again with "
+                "`treespark rollout`)" if version == 1 else "")
         raise RolloutError(f"{str(path)!r} is not a rollout manifest of format version {FORMAT_VERSION} "
-                           f"(found {version!r}).")
+                           f"(found {version!r}){hint}.")
     return manifest
 
 

@@ -6,9 +6,10 @@ The train state is a plain dict (what Orbax saves and restores)::
     params     the drafter's parameters as a pure dict (``nnx.to_pure_dict``)
     opt_state  Optax state (its count drives the learning-rate schedule)
 
-The step is a pure function of ``(state, head, batch)``: the drafter's graph definition is
-static (``nnx.split`` outside, ``nnx.merge`` inside, as the Flax performance guide advises),
-the state is donated (updated in place), the target head is a frozen argument, and there is no
+The step is a pure function of ``(state, head, batch, draft_head)``: the drafter's graph
+definition is static (``nnx.split`` outside, ``nnx.merge`` inside, as the Flax performance guide
+advises), the state is donated (updated in place), the target head and the draft head (the
+head restricted to the draft vocabulary, or ``None``) are frozen arguments, and there is no
 randomness inside (anchors are drawn by the data pipeline), so equal inputs give bitwise equal
 outputs — the basis of exact resume. With the mesh's shardings (``sharding.py``) the batch is
 split over ``data``, the parameters and optimizer moments follow the partition rules (heads and
@@ -71,17 +72,18 @@ class TrainStep:
         """The partition rules in use."""
         return self.partitioner if self.partitioner is not None else Partitioner(self.mesh)
 
-    def loss_and_grads(self, params, head: TargetHead, batch: TrainBatch):
+    def loss_and_grads(self, params, head: TargetHead, batch: TrainBatch, draft_head: TargetHead | None = None):
         """``((loss, metrics), grads)`` of the objective, pure (trace it under ``jax.jit``)."""
         def loss_fn(p):
             return objective(nnx.merge(self.graphdef, p), head, batch, loss=self.loss, cfg=self.loss_cfg,
-                             rule=self.rule)
+                             rule=self.rule, draft_head=draft_head)
         return jax.value_and_grad(loss_fn, has_aux=True)(params)
 
-    def update(self, state: dict[str, Any], head: TargetHead, batch: TrainBatch):
+    def update(self, state: dict[str, Any], head: TargetHead, batch: TrainBatch,
+               draft_head: TargetHead | None = None):
         """One optimizer step: ``(new state, metrics)``; metrics add ``grad_norm`` (before clipping)
         and ``tokens`` / ``response_tokens`` (real and response tokens in the global batch)."""
-        (_, metrics), grads = self.loss_and_grads(state["params"], head, batch)
+        (_, metrics), grads = self.loss_and_grads(state["params"], head, batch, draft_head)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), tokens=jnp.sum(batch.lengths),
@@ -89,23 +91,23 @@ class TrainStep:
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     def jitted(self, state: dict[str, Any] | None = None) -> Callable:
-        """``update`` compiled for the mesh: ``(state, head, batch) → (state, metrics)``.
+        """``update`` compiled for the mesh: ``(state, head, batch, draft_head) → (state, metrics)``.
 
         Args:
           state: the train state (arrays or their ``jax.ShapeDtypeStruct`` shapes); its layout,
             in and out, comes from the partition rules. ``None``: replicated (data-only layout).
 
-        The state is donated, the head and the metrics replicated, the batch split over ``data``.
+        The state is donated, the heads and the metrics replicated, the batch split over ``data``.
         """
         repl = replicated(self.mesh)
         layout = repl if state is None else self.rules.shardings(state)
-        return jax.jit(self.update, donate_argnums=0, in_shardings=(layout, repl, batch_sharding(self.mesh)),
-                       out_shardings=(layout, repl))
+        return jax.jit(self.update, donate_argnums=0,
+                       in_shardings=(layout, repl, batch_sharding(self.mesh), repl), out_shardings=(layout, repl))
 
     def jitted_grads(self, params: Any = None) -> Callable:
         """``loss_and_grads`` compiled for the mesh, for checks: ``params`` (or their shapes) give
         the layout of the parameters and the gradients (``None``: replicated)."""
         repl = replicated(self.mesh)
         layout = repl if params is None else self.rules.shardings(params)
-        return jax.jit(self.loss_and_grads, in_shardings=(layout, repl, batch_sharding(self.mesh)),
+        return jax.jit(self.loss_and_grads, in_shardings=(layout, repl, batch_sharding(self.mesh), repl),
                        out_shardings=(repl, layout))

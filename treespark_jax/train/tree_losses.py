@@ -20,8 +20,13 @@ follow the rule the tree was verified with and carry no gradient:
 Distributions: at temperature ``temp`` of the logged tree (both ``p_u`` and ``q(·|x_u)`` scaled by
 ``1/temp``, so ``q = p`` is optimal at every temperature; top-p is not applied, rollouts are
 logged with ``top_p = 1``); the greedy rule and trees with ``temp ≤ 0`` use temperature 1
-(only their ``y_u = one-hot argmax`` depends on the rule). Full vocabulary, as on the chain
-(``chain_losses``). Means are weighted by ``r_u`` (distillation, coverage) or uniform over the
+(only their ``y_u = one-hot argmax`` depends on the rule). On the drafter's logit columns, as on
+the chain (``chain_losses``): the whole vocabulary, or a draft vocabulary with the target
+normalised over the whole one by the logsumexp the rollout stored for the tree's temperature,
+so ``p_u`` on the columns, its tail mass, the argmax and every reach weight are exact. A node
+whose token lies outside the columns cannot be drafted by this drafter: the caller marks it
+invalid. ``y_u`` with no mass on the columns (a greedy row whose argmax lies outside) gets no
+coverage term. Means are weighted by ``r_u`` (distillation, coverage) or uniform over the
 calibrated edges, normalised by the sum of weights.
 """
 
@@ -32,9 +37,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from treespark_jax.config import VERIFY_RULES
-from treespark_jax.sampling import processed_logprobs
 from treespark_jax.train.chain_losses import (LossConfig, as_float, binary_cross_entropy, dspark,
-                                              l1_distance, weighted_mean)
+                                              l1_distance, target_log_probs, weighted_mean)
 from treespark_jax.tree.accept_rejection import node_rejection
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.typing import Array, Bool, Float, Int
@@ -52,14 +56,29 @@ class LoggedTrees:
         ``sibling_rank`` = draw order, used by the rejection rule).
       accepted: ``[Tr, N]`` bool, the node was on the accepted path.
       target_logits: ``[Tr, N + 1, V]`` the target's logits per verification row (row 0 = anchor),
-        from the logged final-norm hidden states and the frozen LM head.
+        from the logged final-norm hidden states and the frozen LM head, on the drafter's columns.
       temp: ``[Tr]`` float temperature the tree was verified at (ignored by ``greedy``).
+      columns: ``[Tr, N]`` int32 logit column of each node's token, or ``None`` when the columns
+        are the whole vocabulary (column = token id).
+      target_lse: ``[Tr, N + 1]`` logsumexp over the whole vocabulary of the target's logits
+        divided by the rule's temperature (1 for ``greedy`` and temp-0 trees), or ``None`` when
+        the columns are the whole vocabulary.
+      top_columns: ``[Tr, N + 1]`` int32 column of the target's argmax per row (``V`` when it
+        lies outside the columns), or ``None`` to take the argmax of ``target_logits``.
     """
 
     tree: DraftTree
     accepted: Bool[Array, "Tr N"]
     target_logits: Float[Array, "Tr R V"]
     temp: Float[Array, "Tr"]
+    columns: Int[Array, "Tr N"] | None = None
+    target_lse: Float[Array, "Tr R"] | None = None
+    top_columns: Int[Array, "Tr R"] | None = None
+
+    @property
+    def node_columns(self) -> Int[Array, "Tr N"]:
+        """The logit column of each node's token."""
+        return self.tree.tokens if self.columns is None else self.columns
 
 
 @struct.dataclass
@@ -68,14 +87,16 @@ class VerifyTargets:
 
     Attributes:
       reach: ``[Tr, R]`` ``r_u`` (stop-gradient); 0 for padding rows.
-      y: ``[Tr, R, V]`` ``y_u`` (stop-gradient).
+      y: ``[Tr, R, V]`` ``y_u`` on the columns (stop-gradient).
       log_p: ``[Tr, R, V]`` ``log p_u`` at the rule's temperature (stop-gradient).
+      tail: ``[Tr, R]`` ``p_u``'s mass outside the columns (0 for the whole vocabulary).
       log_q: ``[Tr, R, V]`` ``log q(·|x_u)`` at the same temperature (differentiable).
     """
 
     reach: Float[Array, "Tr R"]
     y: Float[Array, "Tr R V"]
     log_p: Float[Array, "Tr R V"]
+    tail: Float[Array, "Tr R"]
     log_q: Float[Array, "Tr R V"]
 
 
@@ -108,16 +129,19 @@ def tree_child_logits(base: Float[Array, "Tr P V"], anchor: Int[Array, "Tr"], tr
 
 def tree_edge_logits(child_logits: Float[Array, "Tr R V"], tree: DraftTree, anchor: Int[Array, "Tr"],
                      edge_scale: Float[Array, "P"], edge_bias: Float[Array, "Tr P"],
-                     parent_terms: Float[Array, "V"], child_terms: Float[Array, "V"]) -> Float[Array, "Tr N"]:
-    """Edge-head logit of every node as a child of its parent (full-V ``log q``; ``[Tr, N]``).
+                     parent_terms: Float[Array, "V"], child_terms: Float[Array, "V"],
+                     columns: Int[Array, "Tr N"] | None = None) -> Float[Array, "Tr N"]:
+    """Edge-head logit of every node as a child of its parent (``log q`` on the columns; ``[Tr, N]``).
 
     ``a_j · log q(x_n | x_parent) + (b + w_h·h_j) + w_t·E[x_parent] + w_x·E[x_n]`` with
-    ``j = depth_n − 1`` (``tree.proposal.edge_logits`` on the full vocabulary). The head's factors
+    ``j = depth_n − 1`` (``tree.proposal.edge_logits`` on the drafter's columns). The head's factors
     are those of ``EdgeHead.proposal_terms`` (``edge_bias`` from the block's hidden states) and
-    ``EdgeHead.token_terms`` (``parent_terms``, ``child_terms``).
+    ``EdgeHead.token_terms`` (``parent_terms``, ``child_terms``, indexed by token id); ``columns``
+    as ``LoggedTrees.columns``.
     """
     batch = jnp.arange(tree.tokens.shape[0])[:, None]
-    log_q = jax.nn.log_softmax(as_float(child_logits), axis=-1)[batch, tree.parents + 1, tree.tokens]
+    cols = jnp.clip(tree.tokens if columns is None else columns, 0, child_logits.shape[-1] - 1)
+    log_q = jax.nn.log_softmax(as_float(child_logits), axis=-1)[batch, tree.parents + 1, cols]
     slot = jnp.clip(tree.depths - 1, 0, edge_scale.shape[0] - 1)
     parent_tokens = jnp.where(tree.parents < 0, anchor[:, None], tree.tokens[batch, jnp.clip(tree.parents, 0)])
     return (edge_scale[slot] * log_q + jnp.take_along_axis(edge_bias, slot, axis=1)
@@ -136,31 +160,36 @@ def reach_from_edges(parents: Int[Array, "Tr N"], edge: Float[Array, "Tr N"]) ->
     return jax.lax.fori_loop(0, n, visit, reach)
 
 
-def greedy_edges(tree: DraftTree, target_logits: Float[Array, "Tr R V"]) -> Float[Array, "Tr N"]:
-    """1 where a valid node holds the argmax of its parent's row, else 0."""
-    top = jnp.argmax(target_logits, axis=-1)
-    parent_top = jnp.take_along_axis(top, tree.parents + 1, axis=1)
-    return (tree.valid & (tree.tokens == parent_top)).astype(target_logits.dtype)
+def greedy_edges(tree: DraftTree, columns: Int[Array, "Tr N"], top_columns: Int[Array, "Tr R"],
+                 dtype=jnp.float32) -> Float[Array, "Tr N"]:
+    """1 where a valid node holds the argmax of its parent's row, else 0 (both as logit columns)."""
+    parent_top = jnp.take_along_axis(top_columns, tree.parents + 1, axis=1)
+    return (tree.valid & (columns == parent_top)).astype(dtype)
 
 
-def match_edges(tree: DraftTree, log_p: Float[Array, "Tr R V"]) -> Float[Array, "Tr N"]:
+def match_edges(tree: DraftTree, columns: Int[Array, "Tr N"], log_p: Float[Array, "Tr R V"]) -> Float[Array, "Tr N"]:
     """``p_parent(x_n)``: the probability that the target's draw at the parent is ``x_n``."""
     batch = jnp.arange(log_p.shape[0])[:, None]
-    return jnp.where(tree.valid, jnp.exp(log_p[batch, tree.parents + 1, tree.tokens]), 0)
+    cols = jnp.clip(columns, 0, log_p.shape[-1] - 1)
+    return jnp.where(tree.valid, jnp.exp(log_p[batch, tree.parents + 1, cols]), 0)
 
 
-def rejection_edges(tree: DraftTree, log_p: Float[Array, "Tr R V"], log_q: Float[Array, "Tr R V"],
-                    branch: int) -> Float[Array, "Tr N"]:
+def rejection_edges(tree: DraftTree, columns: Int[Array, "Tr N"], log_p: Float[Array, "Tr R V"],
+                    tail: Float[Array, "Tr R"], log_q: Float[Array, "Tr R V"], branch: int) -> Float[Array, "Tr N"]:
     """Exact probability that recursive rejection descends from the parent into each node.
 
-    Siblings of draw rank ≥ ``branch`` are ignored, as the verifier ignores them.
+    Siblings of draw rank ≥ ``branch`` are ignored, as the verifier ignores them. The target's
+    mass outside the columns (``tail``, where ``q`` is 0) is one more support entry, so every
+    residual is normalised over the whole vocabulary.
     """
     batch = jnp.arange(log_p.shape[0])
     ranks = jnp.arange(branch, dtype=jnp.int32)
     ranked = node_children(tree)[:, :, None, :] & (tree.sibling_rank[:, None, None, :] == ranks[None, None, :, None])
     present = jnp.any(ranked, axis=-1)  # [Tr, R, K]
-    drawn = tree.tokens[batch[:, None, None], jnp.argmax(ranked, axis=-1)]
-    accept, _ = node_rejection(jnp.exp(log_p), jnp.exp(log_q), drawn, present)
+    drawn = jnp.clip(columns, 0, log_p.shape[-1] - 1)[batch[:, None, None], jnp.argmax(ranked, axis=-1)]
+    p = jnp.concatenate([jnp.exp(log_p), tail[..., None]], axis=-1)
+    q = jnp.concatenate([jnp.exp(log_q), jnp.zeros_like(tail)[..., None]], axis=-1)
+    accept, _ = node_rejection(p, q, drawn, present)
     earlier = jnp.cumprod(1 - accept, axis=-1)
     descend = accept * jnp.concatenate([jnp.ones_like(earlier[..., :1]), earlier[..., :-1]], axis=-1)
     edge = descend[batch[:, None], tree.parents + 1, jnp.clip(tree.sibling_rank, 0, branch - 1)]
@@ -184,25 +213,26 @@ def verify_targets(child_logits: Float[Array, "Tr R V"], trees: LoggedTrees, rul
         raise ValueError(f"verify rule {rule!r} is unknown; choose one of {', '.join(TREE_RULES)}.")
     tree, logits = trees.tree, as_float(child_logits)
     target = as_float(jax.lax.stop_gradient(trees.target_logits))
-    greedy_edge = greedy_edges(tree, target)
-    one_hot = jax.nn.one_hot(jnp.argmax(target, axis=-1), target.shape[-1], dtype=target.dtype)
-    if rule == "greedy":
-        return VerifyTargets(reach=reach_from_edges(tree.parents, greedy_edge), y=one_hot,
-                             log_p=jax.nn.log_softmax(target, axis=-1), log_q=jax.nn.log_softmax(logits, axis=-1))
+    columns = trees.node_columns
+    top = jnp.argmax(target, axis=-1) if trees.top_columns is None else trees.top_columns
+    greedy_edge = greedy_edges(tree, columns, top, target.dtype)
+    one_hot = jax.nn.one_hot(top, target.shape[-1], dtype=target.dtype)  # all 0 for an argmax outside
     temp = jnp.broadcast_to(jnp.asarray(trees.temp, target.dtype), target.shape[:1])
-    greedy_rows = temp <= 0
-    warm = jnp.where(greedy_rows, 1, temp)[:, None]
-    log_p = processed_logprobs(target, warm, 1.0)
-    log_q = processed_logprobs(logits, warm, 1.0)
-    if rule == "match":
-        edge = match_edges(tree, log_p)
+    greedy_rows = (temp <= 0) | (rule == "greedy")
+    warm = jnp.where(greedy_rows, 1, temp)[:, None, None]
+    log_p, tail = target_log_probs(target / warm, trees.target_lse)
+    log_q = jax.nn.log_softmax(logits / warm, axis=-1)
+    if rule == "greedy":
+        edge = greedy_edge
+    elif rule == "match":
+        edge = match_edges(tree, columns, log_p)
     else:
-        edge = rejection_edges(tree, log_p, jax.lax.stop_gradient(log_q),
+        edge = rejection_edges(tree, columns, log_p, tail, jax.lax.stop_gradient(log_q),
                                tree.budget if branch is None else min(branch, tree.budget))
     edge = jnp.where(greedy_rows[:, None], greedy_edge, edge)
     reach = reach_from_edges(tree.parents, edge)
     y = jnp.where(greedy_rows[:, None, None], one_hot, jnp.exp(log_p))
-    return VerifyTargets(reach=jax.lax.stop_gradient(reach), y=y, log_p=log_p, log_q=log_q)
+    return VerifyTargets(reach=jax.lax.stop_gradient(reach), y=y, log_p=log_p, tail=tail, log_q=log_q)
 
 
 def coverage_threshold(child_logits: Float[Array, "... V"], k: Int[Array, "..."], max_children: int
@@ -261,10 +291,12 @@ def tree_terms(child_logits: Float[Array, "Tr R V"], edge_logits: Float[Array, "
     vt = verify_targets(child_logits, trees, rule, branch)
     k = jnp.sum(node_children(tree), axis=-1)
     weights = jnp.where(k > 0, vt.reach, 0)
-    coverage = coverage_loss(as_float(child_logits), vt.y, k, cfg.coverage_beta, tree.budget)
-    terms = {"tree_tv": weighted_mean(l1_distance(vt.log_q, vt.log_p), weights),
+    covered = jnp.sum(vt.y, axis=-1) > 0  # else log Σ y·σ = −inf: no coverage term for the row
+    y_safe = jnp.where(covered[..., None], vt.y, 1.0)  # finite everywhere, so no NaN reaches the gradient
+    coverage = coverage_loss(as_float(child_logits), y_safe, k, cfg.coverage_beta, tree.budget)
+    terms = {"tree_tv": weighted_mean(l1_distance(vt.log_q, vt.log_p, vt.tail), weights),
              "tree_ce": weighted_mean(-jnp.sum(vt.y * vt.log_q, axis=-1), weights),
-             "tree_coverage": weighted_mean(coverage, weights)}
+             "tree_coverage": weighted_mean(coverage, jnp.where(covered, weights, 0))}
     total = cfg.tree_tv * terms["tree_tv"] + cfg.tree_ce * terms["tree_ce"] + cfg.tree_coverage * terms["tree_coverage"]
     if edge_logits is not None:
         batch = jnp.arange(trees.accepted.shape[0])[:, None]
@@ -280,15 +312,16 @@ def treespark(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P 
               mask: Bool[Array, "B P"], child_logits: Float[Array, "Tr R V"],
               edge_logits: Float[Array, "Tr N"] | None, trees: LoggedTrees, rule: str,
               confidence_logits: Float[Array, "B P"] | None = None, cfg: LossConfig = LossConfig(),
-              branch: int | None = None) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+              branch: int | None = None, target_lse: Float[Array, "B P"] | None = None
+              ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """TreeSpark loss: ``dspark`` on the gold chain plus ``tree_terms`` on logged verified trees.
 
-    Args: those of ``chain_losses.dspark`` (gold chain, ``[B, P, …]``) and of ``tree_terms``
-    (``Tr`` trees verified with the static ``rule``).
+    Args: those of ``chain_losses.dspark`` (gold chain, ``[B, P, …]``, ``target_lse``) and of
+    ``tree_terms`` (``Tr`` trees verified with the static ``rule``).
 
     Returns:
       ``(total, terms)``: the union of both term dicts; ``total`` the sum of both totals.
     """
-    chain_total, terms = dspark(q_logits, target_logits, labels, mask, confidence_logits, cfg)
+    chain_total, terms = dspark(q_logits, target_logits, labels, mask, confidence_logits, cfg, target_lse)
     tree_total, tree_named = tree_terms(child_logits, edge_logits, trees, rule, cfg, branch)
     return chain_total + tree_total, {**terms, **tree_named}

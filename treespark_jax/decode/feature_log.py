@@ -1,0 +1,63 @@
+"""Target features logged while generating: rollouts without a second forward pass (DESIGN.md §1.4).
+
+A rollout record needs, for every token of ``prompt + response``, the outputs of the drafter's
+target layers and the final-norm hidden state. Generation already computes both: the prefill for
+the prompt's rows, and each autoregressive step for the row it feeds (the anchor, the token
+emitted by the step before, at position ``cache.lengths``). The log keeps them in bfloat16 (the
+rollout's storage dtype) in a buffer indexed by position, on device inside the decode loop, and
+reaches the host once per call. The last token of a row is never fed by the loop (it is
+emitted, then the row is done), so the loop ends with one more step whose only use is to log
+those rows; rows that finished earlier re-log their last token there with the same values.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from treespark_jax.models.decoder import DecoderOutput
+from treespark_jax.typing import Array, Float, Int
+
+LOG_DTYPE = jnp.bfloat16
+"""Storage dtype of logged features and hidden states (that of rollout records)."""
+
+
+@struct.dataclass
+class FeatureLog:
+    """Per-position features of every row: slot ``s`` of row ``b`` holds position ``s``.
+
+    Attributes:
+      features: ``[B, S, m·D]`` bfloat16 outputs of the logged target layers, concatenated.
+      hidden: ``[B, S, D]`` bfloat16 final-norm hidden states.
+    """
+
+    features: Float[Array, "B S X"]
+    hidden: Float[Array, "B S D"]
+
+    @classmethod
+    def of_prefill(cls, output: DecoderOutput, capacity: int) -> "FeatureLog":
+        """The prompt rows ``0..T−1`` of a prefill (padding rows are overwritten by the steps that
+        reach those positions, or lie past the row's tokens), room for ``capacity`` positions.
+
+        Raises:
+          ValueError: a prefill run without layer ids (no features).
+        """
+        if output.features is None:
+            raise ValueError("feature logging needs the prefill run with the drafter's layer ids.")
+        pad = ((0, 0), (0, capacity - output.hidden.shape[1]), (0, 0))
+        return cls(features=jnp.pad(output.features.astype(LOG_DTYPE), pad),
+                   hidden=jnp.pad(output.hidden.astype(LOG_DTYPE), pad))
+
+    def record(self, positions: Int[Array, "B"], output: DecoderOutput) -> "FeatureLog":
+        """Writes one step's row (``output`` of ``T = 1`` token per row) at ``positions``."""
+        rows = jnp.arange(positions.shape[0])
+        return FeatureLog(
+            features=self.features.at[rows, positions].set(output.features[:, 0].astype(LOG_DTYPE), mode="drop"),
+            hidden=self.hidden.at[rows, positions].set(output.hidden[:, 0].astype(LOG_DTYPE), mode="drop"))
+
+
+def row_features(log: FeatureLog, row: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host side (``log`` fetched with ``jax.device_get``): ``(features [length, m·D], hidden
+    [length, D])`` of batch row ``row``'s first ``length`` positions."""
+    return np.asarray(log.features[row, :length]), np.asarray(log.hidden[row, :length])
