@@ -57,7 +57,7 @@ def test_bench_rows_are_greedy_equal_and_compile_once_per_budget(tiny_dir, promp
 def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path, flags, skip, stop):
     out = tmp_path / "bench.json"
     assert _bench(tiny_dir, prompt_file, out, "--methods", "ar,dspark", "--budgets", "4", "--temp", "1",
-                  "--drafter", "dspark=random", "--builder", "treespark", *flags) == 0
+                  "--drafter", "dspark=random", "--builder", "treespark", "--limit", "1", *flags) == 0
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [r["greedy_equal"] for r in rows] == [None, None] and rows[1]["temp"] == 1.0

@@ -6,6 +6,8 @@ import pytest
 
 from treespark_jax.cli import main
 
+from tiny import write_tiny_hf_target
+
 pytestmark = pytest.mark.e2e
 
 
@@ -37,7 +39,9 @@ def test_default_method_uses_the_shipped_drafter_and_compares_with_ar(preset, ca
     assert out["ar"]["speedup"] > 0 and out["ar"]["stats"]["tau"] == 1.0
     # Both timed decodes come after an untimed warm-up of each, which compiled every program.
     assert out["stats"]["compiles"] == 0 and out["ar"]["stats"]["compiles"] == 0
-    assert main(["generate", "--preset", preset, "--prompt", "Hi", "--max-new-tokens", "4", "--compare-ar"]) == 0
+    # The same request as text (its programs are compiled already): the summary lines on stderr.
+    assert main(["generate", "--preset", preset, "--chat", "--prompt", "What is 12 times 7? Think step by step.",
+                 "--max-new-tokens", "32", "--compare-ar"]) == 0
     err = capsys.readouterr().err
     assert "speedup of treespark over AR" in err and "greedy output identical to AR: yes" in err
 
@@ -69,6 +73,15 @@ def test_drafter_method_with_a_saved_drafter_matches_greedy_ar(preset, capsys, t
     assert main(args + ["--method", "treespark", "--drafter", str(path), "--budget", "8"]) == 0
     tree = json.loads(capsys.readouterr().out)
     assert tree["token_ids"] == ar["token_ids"] and tree["stats"]["tau"] >= 1.0
+
+
+def test_drafting_flags_reach_the_round_and_keep_greedy_output(tmp_path, capsys):
+    """On a tiny target (the flags' plumbing, not the preset's weights, is under test): the
+    builder override, draft skipping by default, --no-skip-drafting and --no-cost-aware-stop."""
+    target = write_tiny_hf_target(tmp_path / "hf", layers=8, d=48, mlp=80, head_dim=16, max_positions=512)
+    args = ["generate", "--target", str(target), "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--json"]
+    assert main(args + ["--method", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out)
     assert main(args + ["--method", "ddtree", "--drafter", "random", "--builder", "chain"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == ar["token_ids"]
     # A random drafter never pays on the shipped CPU costs: by default rounds skip it, the output stays AR's.

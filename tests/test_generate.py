@@ -1,7 +1,12 @@
 """Autoregressive generation: greedy equals a cache-free reference, EOS, caps, compiles, errors."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from treespark_jax.decode import engine as engine_mod
 from treespark_jax.decode.engine import Engine
@@ -18,15 +23,23 @@ def model(x64):
     return tiny_decoder("qwen3", seed=1)
 
 
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _next_token(graphdef, weights, tokens, length):
+    """The greedy token after the first ``length`` of ``tokens [1, T]``, recomputed from scratch
+    over a fresh cache (causal: the padding after ``length`` is never seen)."""
+    model, t = nnx.merge(graphdef, weights), tokens.shape[1]
+    out = model(tokens, jnp.arange(t)[None], prefill_mask(length[None], t, t), KVCache.zeros(model.cfg, 1, t, model.dtype))
+    return jnp.argmax(model.logits(out.hidden)[0, length - 1])
+
+
 def reference_greedy(model, prompt, n):
     """Greedy decoding that recomputes the whole sequence every step (no KV cache)."""
-    toks = list(prompt)
-    for _ in range(n):
-        t = len(toks)
-        out = model(jnp.asarray([toks]), jnp.arange(t)[None], prefill_mask(jnp.asarray([t]), t, t),
-                    KVCache.zeros(model.cfg, 1, t, model.dtype))
-        toks.append(int(jnp.argmax(model.logits(out.hidden)[0, -1])))
-    return toks[len(prompt):]
+    graphdef, weights = nnx.split(model)
+    toks = np.zeros((1, 32), np.int32)
+    toks[0, :len(prompt)] = prompt
+    for t in range(len(prompt), len(prompt) + n):
+        toks[0, t] = _next_token(graphdef, weights, jnp.asarray(toks), jnp.asarray(t))
+    return toks[0, len(prompt):len(prompt) + n].tolist()
 
 
 def test_greedy_batch_equals_cache_free_reference(model):

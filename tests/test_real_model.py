@@ -9,11 +9,10 @@ import pytest
 from flax import nnx
 
 from treespark_jax.bench.greedy_check import first_divergence
-from treespark_jax.config import BUILDERS, TreeConfig
-from treespark_jax.decode.engine import Engine, Speculation
+from treespark_jax.config import BUILDERS
+from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.model import BlockDrafter
-from treespark_jax.drafter.random import RandomProposer
 from treespark_jax.methods import drafter_config, speculation
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.models.load import load_target
@@ -77,17 +76,13 @@ def test_speculative_greedy_equals_ar_on_smollm2(smollm2):
     eng = Engine(smollm2.model, stop_ids=smollm2.tokenizer.stop_ids)
     prompts = [smollm2.tokenizer.encode(p) for p in SPEC_PROMPTS]
     ar, _ = eng.generate(prompts, 64)
-    for budget in (4, 16):
-        out, stats = eng.generate(prompts, 64, spec=speculation("prompt_lookup", smollm2.model, budget))
-        assert_greedy_equal_up_to_near_ties(smollm2, prompts, ar, out)
-        assert stats.tau > 1.0
-    random = RandomProposer(smollm2.cfg.vocab_size, block_size=4, pool_size=64, markov_rank=4)
-    for builder in ("chain", "marginal", "parent_conditioned", "treespark"):
-        tree = TreeConfig(budget=11, max_depth=4, branch=3, builder=builder)
-        out, _ = eng.generate(prompts, 24, spec=Speculation(random, tree))
-        assert_greedy_equal_up_to_near_ties(smollm2, prompts, [a[:24] for a in ar], out)
+    out, stats = eng.generate(prompts, 64, spec=speculation("prompt_lookup", smollm2.model, 8))
+    assert_greedy_equal_up_to_near_ties(smollm2, prompts, ar, out)
+    assert stats.tau > 1.0
     # A randomly initialised block drafter (default layer ids, Markov and edge heads) through
-    # every builder: the drafter may be useless, greedy output must not change.
+    # every builder: the drafter may be useless, greedy output must not change. (Every builder
+    # with a random proposer and every budget shape is swept on the tiny target:
+    # tests/test_speculative.py.)
     drafter = BlockDrafter(drafter_config("treespark", smollm2.cfg), smollm2.cfg, rngs=nnx.Rngs(0))
     assert drafter.cfg.target_layer_ids == (1, 8, 14, 21, 27)
     for builder in BUILDERS:

@@ -410,9 +410,10 @@ PRESET_SCRIPT = textwrap.dedent("""
 
     prompts = ["def fibonacci(n):", "List the planets of the solar system in order from the Sun:",
                "Once upon a time, in a small village by the sea,", "The capital of France is"]
-    # The default method (treespark) with its shipped drafter on both meshes, and the other
-    # shipped drafters (dflash, dspark) on the larger one: each carries a draft vocabulary.
-    runs = {"data=2": [None], "data=2,model=4": [None, "dflash", "dspark"]}
+    # The default method (treespark) with its shipped drafter, which carries a draft vocabulary,
+    # with rows over data and heads over model. (The other drafter heads and meshes are covered
+    # on a tiny target: test_sharded_generation_and_training_equal_one_device.)
+    runs = {"data=2,model=4": [None]}
     one = ts.load("smollm2-135m", mesh="data=1")
     want = {m: one.generate(prompts, max_new_tokens=24, method=m) for m in runs["data=2,model=4"]}
     report = {}
@@ -430,15 +431,14 @@ PRESET_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.multidevice
-def test_shipped_drafters_on_data2_and_data2_model4_meshes_equal_one_device_up_to_near_ties(smollm2_gguf):
+def test_shipped_drafter_on_a_data2_model4_mesh_equals_one_device_up_to_near_ties(smollm2_gguf):
     """float32 real weights: a sharded greedy speculative run may only differ at reported near-ties."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", TREESPARK_JAX_CACHE="off")
     proc = subprocess.run([sys.executable, "-c", PRESET_SCRIPT], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(report) == ["data=2 default", "data=2,model=4 default", "data=2,model=4 dflash",
-                              "data=2,model=4 dspark"], report
+    assert sorted(report) == ["data=2,model=4 default"], report
     for rows in report.values():
         assert len(rows) == 4
         for d in rows:
