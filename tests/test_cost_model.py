@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from treespark_jax.bench.profile import parse_contexts, profile_cost, profile_rows
+from treespark_jax.bench.profile import check_profile_args, parse_contexts, profile_cost, profile_rows
 from treespark_jax.cli import main
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode import cost_model as cm
@@ -248,6 +248,14 @@ def test_profile_rows_and_contexts_parsing():
             parse_contexts(bad)
 
 
+def test_profile_contexts_are_committed_tokens_with_room_for_the_verify_rows():
+    check_profile_args(16, (1, 8175), 1, 8192)  # 8175 + 17 rows = 8192 positions
+    with pytest.raises(ValueError, match="context 8176 plus the 17 verify rows of budget 16 exceeds the model's 8192"):
+        check_profile_args(16, (1, 8176), 1, 8192)
+    with pytest.raises(ValueError, match="context 0 must be at least 1"):
+        check_profile_args(16, (0, 64), 1)
+
+
 def test_profile_cost_on_a_tiny_target_writes_a_loadable_profile(tmp_path):
     model = tiny_decoder("llama", dtype=jnp.float32)
     cost = profile_cost(model, target="tiny.float32", budget=1, contexts=(16,), repeats=1)
@@ -306,7 +314,6 @@ def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
     (["--contexts", "256,64"], "strictly ascending"),
     (["--budget", "0"], "budget=0 must be between 1 and 1024"),
     (["--repeats", "0"], "repeats=0 must be at least 1"),
-    (["--budget", "16", "--contexts", "8,64"], "context 8 is too short for budget 16"),
     (["--out", "/nonexistent-folder/x.json"], "--out /nonexistent-folder/x.json: its folder does not exist"),
     (["--out", "."], "--out . is a directory; give a file path"),
 ])

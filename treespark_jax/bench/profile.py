@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from treespark_jax.config import DrafterConfig, TreeConfig, default_layer_ids, default_ladder
 from treespark_jax.decode.ar import decode_mask
+from treespark_jax.decode.buckets import cache_capacity
 from treespark_jax.decode.cost_model import CostModel, current_device_kind
 from treespark_jax.drafter.block_proposer import BlockProposer
 from treespark_jax.drafter.model import BlockDrafter
@@ -29,32 +30,45 @@ from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.tree.builders import build_tree
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _forward(graphdef, weights, tokens, cache):
-    model = nnx.merge(graphdef, weights)
-    t = tokens.shape[1]
-    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    mask = decode_mask(cache.lengths, cache.capacity) | (
-        jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None] + t)
-    return model.logits(model(tokens, positions, mask, cache).hidden)
+def forward_program() -> Callable:
+    """A new jitted target forward ``(graphdef, weights, tokens, cache) → (logits, cache)``: the
+    new rows attend to the committed slots and to each other, the cache is donated. Its own
+    compilation cache, so a caller can trace it under other settings than ``forward_call``'s."""
+    @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+    def forward(graphdef, weights, tokens, cache):
+        model = nnx.merge(graphdef, weights)
+        t = tokens.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+        mask = decode_mask(cache.lengths, cache.capacity) | (
+            jnp.arange(cache.capacity)[None, None, :] < cache.lengths[:, None, None] + t)
+        out = model(tokens, positions, mask, cache)
+        return model.logits(out.hidden), out.cache
+
+    return forward
 
 
-def forward_call(model: Decoder, rows: int, context: int, capacity: int) -> Callable[[], jax.Array]:
+_forward = forward_program()
+
+
+def forward_call(model: Decoder, rows: int, context: int, capacity: int,
+                 program: Callable | None = None) -> Callable[[], jax.Array]:
     """A zero-argument jitted target call on ``rows`` tokens after ``context`` cached ones, in a
-    cache of ``capacity`` positions (batch 1); it returns the logits ``[1, rows, V]``."""
-    graphdef, weights = nnx.split(model)
-    cache = KVCache.zeros(model.cfg, 1, capacity, model.dtype).replace(lengths=jnp.asarray([context], jnp.int32))
-    tokens = jnp.zeros((1, rows), jnp.int32)
-    return lambda: _forward(graphdef, weights, tokens, cache)
+    cache of ``capacity`` positions (batch 1); it returns the logits ``[1, rows, V]``.
 
-
-def forward_latency(model: Decoder, rows: int, context: int, capacity: int, repeats: int = 5) -> float:
-    """Median seconds of one jitted target call on ``rows`` tokens after ``context`` cached ones.
-
-    This is the verify cost ``C_v`` of a tree with ``rows - 1`` nodes (DESIGN.md §1.5); the call
-    includes the LM head on every row, as verification does. Compilation is excluded.
+    The cache is donated and written in place, as in a decode loop (a call that kept its input
+    cache would copy all of it first, a cost that grows with the capacity and no round pays).
+    ``program`` is a ``forward_program()`` to run instead of the shared one.
     """
-    return float(np.median(interleaved_seconds([forward_call(model, rows, context, capacity)], repeats)[0]))
+    graphdef, weights = nnx.split(model)
+    cache = [KVCache.zeros(model.cfg, 1, capacity, model.dtype).replace(lengths=jnp.asarray([context], jnp.int32))]
+    tokens = jnp.zeros((1, rows), jnp.int32)
+    program = program or _forward
+
+    def call():
+        logits, cache[0] = program(graphdef, weights, tokens, cache[0])
+        return logits
+
+    return call
 
 
 # ------------------------------------------------------------------------ cost model profiling
@@ -116,25 +130,26 @@ def profile_drafter(target: Decoder, seed: int = 0) -> BlockDrafter:
     return BlockDrafter(cfg, target.cfg, rngs=nnx.Rngs(params=seed), dtype=target.dtype)
 
 
-def _draft_inputs(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int):
-    """A batch-1 drafter state over ``context − N − 1`` committed positions, an anchor and one
-    round's committed rows (zeros: costs depend on shapes only)."""
+def _draft_inputs(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int, capacity: int):
+    """A batch-1 drafter state over ``context`` committed positions in a context cache of
+    ``capacity``, an anchor and one round's committed rows (zeros: costs depend on shapes only)."""
     feat = len(proposer.layer_ids) * target.cfg.d_model
-    committed_len = context - tree.budget - 1
-    features = jnp.zeros((1, committed_len, feat), target.dtype)
-    state = proposer.init(proposer.weights, jnp.zeros((1, committed_len), jnp.int32),
-                          jnp.asarray([committed_len], jnp.int32), jnp.zeros((1,), jnp.int32), features, context)
+    features = jnp.zeros((1, context, feat), target.dtype)
+    state = proposer.init(proposer.weights, jnp.zeros((1, context), jnp.int32),
+                          jnp.asarray([context], jnp.int32), jnp.zeros((1,), jnp.int32), features, capacity)
     x = tree.max_depth + 1
     committed = Committed(tokens=jnp.zeros((1, x), jnp.int32), n=jnp.ones((1,), jnp.int32),
                           bonus=jnp.zeros((1,), jnp.int32), features=jnp.zeros((1, x, feat), target.dtype))
     return state, jnp.zeros((1,), jnp.int32), committed
 
 
-def draft_call(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int) -> Callable[[], Any]:
+def draft_call(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int,
+               capacity: int) -> Callable[[], Any]:
     """A zero-argument jitted call of one round's drafting at batch 1: the block drafter's
-    forward over a context cache of ``context`` positions, ``build_tree`` (greedy children) and
-    the context update. Its latency is the draft cost ``C_d`` of DESIGN.md §1.5."""
-    state, anchor, committed = _draft_inputs(target, proposer, tree, context)
+    forward over ``context`` committed positions of a ``capacity``-slot context cache,
+    ``build_tree`` (greedy children) and the context update. Its latency is the draft cost
+    ``C_d`` of DESIGN.md §1.5."""
+    state, anchor, committed = _draft_inputs(target, proposer, tree, context, capacity)
     return lambda: _draft_round(state, anchor, committed, proposer=proposer, tree=tree)
 
 
@@ -150,15 +165,16 @@ def _build(proposal, anchor, *, tree):
 
 def round_part_calls(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int
                      ) -> dict[str, Callable[[], Any]]:
-    """Zero-argument jitted calls of a round's parts at batch 1 and ``context`` key positions:
-    ``propose`` (the drafter pass), ``build`` (``build_tree``, greedy children) and ``verify``
-    (the target over ``N + 1`` rows)."""
-    state, anchor, _ = _draft_inputs(target, proposer, tree, context)
-    proposal = _propose(state, anchor, proposer=proposer)
+    """Zero-argument jitted calls of a round's parts at batch 1 after ``context`` committed
+    tokens: ``propose`` (the drafter pass), ``build`` (``build_tree``, greedy children) and
+    ``verify`` (the target over ``N + 1`` rows)."""
     rows = tree.budget + 1
+    capacity = cache_capacity(context, 0, rows)
+    state, anchor, _ = _draft_inputs(target, proposer, tree, context, capacity)
+    proposal = _propose(state, anchor, proposer=proposer)
     return {"propose": lambda: _propose(state, anchor, proposer=proposer),
             "build": lambda: _build(proposal, anchor, tree=tree),
-            "verify": forward_call(target, rows, context - rows, context)}
+            "verify": forward_call(target, rows, context, capacity)}
 
 
 def parse_contexts(text: str) -> tuple[int, ...]:
@@ -180,21 +196,20 @@ def check_profile_args(budget: int, contexts: tuple[int, ...], repeats: int, max
     """Validates ``profile_cost``'s settings before anything is loaded or compiled.
 
     Raises:
-      ValueError: a budget outside ``1..MAX_BUDGET``, a repeat count below 1, no contexts, a context too short for the
-        tree (``budget + 2`` positions: the tree rows plus one committed token), or one beyond
-        the model's ``max_positions``.
+      ValueError: a budget outside ``1..MAX_BUDGET``, a repeat count below 1, no contexts, a
+        context below 1 token, or a context whose verify rows (``budget + 1``) pass the model's
+        ``max_positions``.
     """
     check_budget(budget)
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1.")
     if not contexts:
         raise ValueError("give at least one context length to profile.")
-    if contexts[0] < budget + 2:
-        raise ValueError(f"context {contexts[0]} is too short for budget {budget}: a verify call attends over "
-                         f"the {budget + 1} tree rows plus at least one committed token, so use at least "
-                         f"{budget + 2}.")
-    if max_positions is not None and contexts[-1] > max_positions:
-        raise ValueError(f"context {contexts[-1]} exceeds the model's {max_positions} positions.")
+    if contexts[0] < 1:
+        raise ValueError(f"context {contexts[0]} must be at least 1 committed token.")
+    if max_positions is not None and contexts[-1] + budget + 1 > max_positions:
+        raise ValueError(f"context {contexts[-1]} plus the {budget + 1} verify rows of budget {budget} exceeds "
+                         f"the model's {max_positions} positions.")
 
 
 def profile_rows(budget: int) -> tuple[int, ...]:
@@ -216,8 +231,8 @@ def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[in
                  repeats: int = 5, drafter: BlockDrafter | None = None, progress: bool = False) -> CostModel:
     """Measures and fits the round costs of ``model`` on JAX's default device (batch 1).
 
-    For each context length ``S`` (key positions: the cache is ``S`` long, its first
-    ``S − rows`` positions committed) and each of ``profile_rows(budget)``: the verify latency
+    For each context length ``S`` (committed tokens, in one cache with room for the longest
+    context and the most rows, as a request's) and each of ``profile_rows(budget)``: the verify latency
     (``forward_call``); per context, the draft latency of ``drafter`` (default: a random
     ``profile_drafter``) with the ``treespark`` builder at ``budget`` (``draft_call``), and the
     one-row target call (``CostModel.step_ms``). All
@@ -249,9 +264,10 @@ def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[in
     proposer = BlockProposer.create(drafter, model)
     tree = TreeConfig(budget=budget, max_depth=min(budget, drafter.cfg.block_size), branch=TREE_BRANCH,
                       builder="treespark")
-    calls = [forward_call(model, r, s - r, s) for s in contexts for r in rows]
-    calls += [draft_call(model, proposer, tree, s) for s in contexts]
-    calls += [forward_call(model, 1, s - 1, s) for s in contexts]
+    capacity = cache_capacity(contexts[-1], 0, rows[-1])
+    calls = [forward_call(model, r, s, capacity) for s in contexts for r in rows]
+    calls += [draft_call(model, proposer, tree, s, capacity) for s in contexts]
+    calls += [forward_call(model, 1, s, capacity) for s in contexts]
     ms = 1e3 * np.median(interleaved_seconds(calls, repeats, progress), axis=1)
     c = len(contexts)
     verify, draft, step = ms[:-2 * c].reshape(c, len(rows)), ms[-2 * c:-c], ms[-c:]

@@ -6,13 +6,12 @@ forward + tree build + context update) per context length. Between grid points i
 linear interpolation; outside the grid it is flat below the first point and continues the last
 segment's slope above the last one (costs keep growing with more rows or a longer context).
 
-**Context** here means the key positions each verify row attends over. The attention in this
-library is dense over the whole KV cache with a boolean mask, so what a round pays for is the
-cache *capacity* ``S`` (static in a compiled round), not the committed length; the profiler
-measures with the cache exactly ``S`` positions long, and the round asks for its capacity.
-``verify_cost`` and ``draft_cost`` also accept a traced context (e.g. the largest committed
-length of the batch, for a length-aware attention kernel); one compiled program then still
-serves every context.
+**Context** here means the committed tokens of the longest row in the batch. Attention reads
+the leading power-of-two width of the KV cache that holds them and the round's new rows
+(``models/kv_cache.by_key_width``), so a round pays for what has been committed, not the cache
+capacity. The profiler measures every context in one cache with room for the longest, and the
+round asks for ``max(lengths)``, a traced scalar: ``verify_cost`` and ``draft_cost`` read it by
+interpolation, so one compiled program still serves every context.
 
 **Fit** (``fit_monotone_convex``): for each context the measured latencies are replaced by their
 least-squares projection onto the non-decreasing convex piecewise-linear functions of rows

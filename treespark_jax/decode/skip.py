@@ -58,7 +58,7 @@ class SkipState:
 
 
 def after_draft(state: SkipState, tokens: Float[Array, ""], round_ms: Float[Array, ""],
-                step_ms: float) -> SkipState:
+                step_ms: Float[Array, ""]) -> SkipState:
     """The controller after a drafted round.
 
     Args:

@@ -175,9 +175,9 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
 
     ladder = cfg.ladder
     rung = jnp.zeros((), jnp.int32)
-    # Attention is dense over the whole cache, so a round pays for the capacity (static), not
-    # the committed lengths: the costs are constants of this program.
-    context = gen.cache.capacity
+    # Attention covers the longest row's committed slots (``Decoder.__call__``), so the costs are
+    # read at that traced length.
+    context = jnp.max(gen.cache.lengths)
     if len(ladder) > 1:
         survival = expected_accepted(tree) * active[:, None]
         rung = choose_verify_size(survival, ladder, cfg.stop_verify_cost(context), cfg.cost.draft_cost(context),
@@ -202,7 +202,7 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     if cfg.skip:
         tokens = jnp.sum(jnp.where(active, acc.n_accepted + 1, 0)) / jnp.maximum(jnp.sum(active), 1)
         round_ms = jnp.asarray(cfg.cost.measured_verify_cost(ladder, context))[rung] + cfg.cost.draft_cost(context)
-        skip = after_draft(skip, tokens, round_ms, float(cfg.cost.step_cost(context)))
+        skip = after_draft(skip, tokens, round_ms, cfg.cost.step_cost(context))
     return SpecState(gen=new_gen, proposer=proposer.update(state.proposer, committed),
                      stats=_count(state.stats, acc, active, rung, d), log=log, skip=skip)
 

@@ -22,7 +22,7 @@ from flax import nnx, struct
 from treespark_jax.config import DrafterConfig, ModelConfig
 from treespark_jax.drafter.heads import ConfidenceHead, EdgeHead, MarkovHead, platt_identity_terms
 from treespark_jax.models.decoder import Decoder, DecoderLayer, layer_param_names
-from treespark_jax.models.kv_cache import KVCache, write_slots
+from treespark_jax.models.kv_cache import KVCache, by_key_width, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import expected_shapes
@@ -266,7 +266,8 @@ class BlockDrafter(nnx.Module):
         """One block forward: slot ``j`` at position ``context.lengths + j`` predicts depth ``j + 1``.
 
         Queries come from the block; keys/values are the context cache's committed slots
-        (``s < lengths``) followed by the block's own, computed here and not cached.
+        (``s < lengths``) followed by the block's own, computed here and not cached. Only the
+        context's leading ``key_widths`` width holding the longest row is read (``by_key_width``).
 
         Args:
           anchor: ``[B]`` int32 last committed token, at position ``context.lengths`` (not in
@@ -286,10 +287,14 @@ class BlockDrafter(nnx.Module):
         x = self.block_inputs(anchor, head)
         b = x.shape[0]
         positions = context.lengths[:, None] + jnp.arange(p, dtype=jnp.int32)[None, :]
-        committed = jnp.arange(context.capacity)[None, None, :] < context.lengths[:, None, None]
-        mask = jnp.concatenate([jnp.broadcast_to(committed, (b, p, context.capacity)),
-                                jnp.ones((b, p, p), bool)], axis=2)
-        hidden = self.blocks(x, positions, list(zip(context.k, context.v)), mask)[:, :depth]
+
+        def over(width: int, x):  # the context's first ``width`` slots, then the block
+            committed = jnp.arange(width)[None, None, :] < context.lengths[:, None, None]
+            mask = jnp.concatenate([jnp.broadcast_to(committed, (b, p, width)), jnp.ones((b, p, p), bool)], axis=2)
+            return self.blocks(x, positions, [(k[:, :width], v[:, :width]) for k, v in zip(context.k, context.v)],
+                               mask)
+
+        hidden = by_key_width(context.capacity, jnp.max(context.lengths), over, x)[:, :depth]
         return DrafterOutput(hidden=hidden, logits=(draft_head or head).logits(hidden))
 
     def blocks(self, x: Float[Array, "B Q D"], positions: Int[Array, "B Q"],

@@ -8,13 +8,15 @@ boolean mask, which is all tree verification needs.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
 from treespark_jax.config import ModelConfig
-from treespark_jax.models.kv_cache import KVCache, write_slots
+from treespark_jax.models.kv_cache import KVCache, by_key_width, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import check_weights, expected_shapes
@@ -41,6 +43,12 @@ class DecoderOutput:
     hidden: Float[Array, "B T D"]
     features: Float[Array, "B T X"] | None
     cache: KVCache
+
+
+def _leading_attention(layer: int, width: int, q: Float[Array, "B T H E"], k: Float[Array, "L B S K E"],
+                       v: Float[Array, "L B S K E"], mask: Bool[Array, "B T S"]) -> Float[Array, "B T H E"]:
+    """Attention of ``q`` over layer ``layer``'s first ``width`` cache slots."""
+    return attention(q, k[layer, :, :width], v[layer, :, :width], mask[:, :, :width])
 
 
 class DecoderLayer(nnx.Module):
@@ -103,6 +111,10 @@ class Decoder(nnx.Module):
         The new keys/values are written at slots ``cache.lengths[b] + t`` before attention, so
         ``mask[b, t, s]`` addresses those slots too (a new row attends to itself through its own
         slot). Slots beyond the capacity are dropped: callers check capacity up front.
+        Attention runs over the leading slots of the first ``key_widths(S)`` width that holds
+        ``max(lengths) + T`` (``by_key_width``), so its cost follows the longest row's committed
+        length, not the capacity; the mask must be False from slot ``max(lengths) + T`` on
+        (nothing is stored there).
 
         Args:
           tokens: ``[B, T]`` int32 token ids.
@@ -125,6 +137,7 @@ class Decoder(nnx.Module):
         t = tokens.shape[1]
         x = self.embed[...][tokens]
         slots = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        extent = jnp.max(cache.lengths) + t
         k_all, v_all, chosen = cache.k, cache.v, {}
         for li, layer in enumerate(self.layers):
             p = layer.arrays(cfg)
@@ -133,7 +146,8 @@ class Decoder(nnx.Module):
             k, v = key_value_heads(p, cfg, h, positions)
             k_all = write_slots(k_all, li, slots, k)
             v_all = write_slots(v_all, li, slots, v)
-            x = finish_layer(p, cfg, x, attention(q, k_all[li], v_all[li], mask))
+            attn = by_key_width(cache.capacity, extent, functools.partial(_leading_attention, li), q, k_all, v_all, mask)
+            x = finish_layer(p, cfg, x, attn)
             if li in layer_ids:
                 chosen[li] = x
         features = jnp.concatenate([chosen[i] for i in layer_ids], axis=-1) if layer_ids else None

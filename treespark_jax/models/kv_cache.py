@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+import jax
 import jax.numpy as jnp
 from flax import struct
 
 from treespark_jax.config import ModelConfig
 from treespark_jax.sharding import data_parallel
 from treespark_jax.typing import Array, Float, Int
+
+T = TypeVar("T")
 
 
 @struct.dataclass
@@ -44,6 +51,38 @@ class KVCache:
     def batch(self) -> int:
         """B, rows."""
         return self.k.shape[1]
+
+
+MIN_KEY_WIDTH = 256
+
+
+def key_widths(capacity: int) -> tuple[int, ...]:
+    """The static numbers of leading slots (tokens) a call may attend over in a cache of
+    ``capacity`` slots: powers of two from ``MIN_KEY_WIDTH`` below the capacity, then the capacity."""
+    widths, w = [], MIN_KEY_WIDTH
+    while w < capacity:
+        widths.append(w)
+        w *= 2
+    return (*widths, capacity)
+
+
+def by_key_width(capacity: int, extent: Int[Array, ""], fn: Callable[..., T], *operands) -> T:
+    """``fn(w, *operands)`` for ``w`` the smallest of ``key_widths(capacity)`` holding ``extent``
+    slots: attention over ``w`` leading slots costs what the rows have committed, rounded up to a
+    power of two, rather than the capacity. One branch per width (``lax.switch``), all in one
+    program; the traced ``extent`` picks the branch.
+
+    Args:
+      capacity: the cache's static slot count ``S``.
+      extent: int32 scalar, slots any query may see (the longest row's committed length plus
+        the call's new rows); capped at ``S``.
+      fn: ``fn(width, *operands)``, traced once per width.
+    """
+    widths = key_widths(capacity)
+    if len(widths) == 1:
+        return fn(widths[0], *operands)
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(widths, jnp.int32), extent), len(widths) - 1)
+    return jax.lax.switch(index, [functools.partial(fn, w) for w in widths], *operands)
 
 
 def cache_nbytes(cfg: ModelConfig, batch: int, capacity: int, itemsize: int = 4) -> int:

@@ -1,0 +1,96 @@
+"""Attention over the leading key width that holds the committed rows, not the whole capacity.
+
+Slots past a call's width get NaN values: dense attention over them turns the output NaN
+(probability 0 times NaN), so a finite output shows those slots were never read, and equality
+with the dense call on a clean cache shows nothing else changed.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from treespark_jax.decode.ar import decode_mask
+from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.config import DrafterConfig
+from treespark_jax.models import kv_cache
+from treespark_jax.models.kv_cache import KVCache, key_widths
+
+from tiny import tiny_decoder
+
+CAPACITY = 1152  # key widths 256, 512, 1024, 1152
+
+
+def test_key_widths_are_powers_of_two_from_the_minimum_then_the_capacity():
+    assert key_widths(128) == (128,) and key_widths(256) == (256,)
+    assert key_widths(1152) == (256, 512, 1024, 1152) and key_widths(1024) == (256, 512, 1024)
+
+
+def random_cache(cfg, lengths, seed, poison_from=None):
+    """A cache whose every slot holds random keys/values; slots ≥ ``poison_from`` hold NaN values."""
+    rng = np.random.default_rng(seed)
+    shape = (cfg.n_layers, len(lengths), CAPACITY, cfg.n_kv_heads, cfg.head_dim)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    if poison_from is not None:
+        v[:, :, poison_from:] = np.nan
+    return KVCache(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def dense(monkeypatch):
+    """Makes every call attend over the whole capacity (one width)."""
+    monkeypatch.setattr(kv_cache, "MIN_KEY_WIDTH", 10 * CAPACITY)
+
+
+# (committed lengths, the width a 3-row call needs)
+CASES = [((10, 40), 256), ((10, 300), 512), ((700, 5), 1024)]
+
+
+@pytest.mark.parametrize("lengths, width", CASES)
+def test_decoder_reads_only_the_leading_width_and_equals_dense_attention(x64, monkeypatch, lengths, width):
+    model = tiny_decoder("qwen3", seed=3)
+    t = 3
+    tokens = jnp.asarray([[5, 6, 7], [8, 9, 10]])
+    lens = jnp.asarray(lengths, jnp.int32)
+    positions = lens[:, None] + jnp.arange(t)[None, :]
+    mask = decode_mask(lens, CAPACITY) | (jnp.arange(CAPACITY)[None, None, :] < lens[:, None, None] + t)
+    cut = model(tokens, positions, mask, random_cache(model.cfg, lengths, 0, poison_from=width)).hidden
+    assert np.isfinite(np.asarray(cut)).all()
+    dense(monkeypatch)
+    assert np.isnan(np.asarray(model(tokens, positions, mask,
+                                     random_cache(model.cfg, lengths, 0, poison_from=width)).hidden)).all()
+    full = model(tokens, positions, mask, random_cache(model.cfg, lengths, 0)).hidden
+    np.testing.assert_allclose(cut, full, rtol=1e-12, atol=1e-12)
+
+
+def test_one_decoder_program_serves_every_width(x64):
+    model = tiny_decoder("llama", seed=4)
+    graphdef, weights = nnx.split(model)
+
+    @jax.jit
+    def step(weights, tokens, cache):
+        m = nnx.merge(graphdef, weights)
+        return m(tokens, cache.lengths[:, None], decode_mask(cache.lengths, CAPACITY), cache).hidden
+
+    for lengths, width in CASES:
+        out = step(weights, jnp.asarray([[1], [2]]), random_cache(model.cfg, lengths, 1, poison_from=width))
+        assert np.isfinite(np.asarray(out)).all()
+    assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("lengths, width", [((10, 200), 256), ((600, 3), 1024)])
+def test_drafter_reads_only_the_leading_width_of_its_context(x64, monkeypatch, lengths, width):
+    target = tiny_decoder("qwen2", seed=5)
+    drafter = BlockDrafter(DrafterConfig(target_layer_ids=(0, 2), block_size=4, pool_size=16), target.cfg,
+                           rngs=nnx.Rngs(0), std=0.3, dtype=target.dtype)
+    head, anchor = TargetHead.of(target, target.dtype), jnp.asarray([3, 4])
+
+    def context(poison):
+        cache = random_cache(target.cfg, lengths, 2, poison_from=width if poison else None)
+        return cache.replace(k=cache.k[: drafter.cfg.n_layers], v=cache.v[: drafter.cfg.n_layers])
+
+    cut = drafter(anchor, context(True), head).logits
+    assert np.isfinite(np.asarray(cut)).all()
+    dense(monkeypatch)
+    assert np.isnan(np.asarray(drafter(anchor, context(True), head).logits)).all()
+    np.testing.assert_allclose(cut, drafter(anchor, context(False), head).logits, rtol=1e-12, atol=1e-12)
