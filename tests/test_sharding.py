@@ -164,14 +164,17 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
         state.proposer.weights.params["layers"][0]["w_down"][...], state.gen.out)]
     report["wq_shard"] = list(wq.addressable_shards[0].data.shape)
 
-    # One program per maximum budget under sharding, whatever the generation length.
-    engine.generate([[3, 1, 4]], 128, spec=spec)
+    # One program per maximum budget under sharding, whatever the generation length. 300 tokens
+    # pass key widths 256 and 512 of a 640-slot cache (kv_cache.by_key_width) inside that program.
+    engine.generate([[3, 1, 4]], 300, spec=spec)
     before = engine_mod._spec_program.cache_size()
-    long_ids, long_stats = engine.generate([[2, 7, 1, 8, 2]], 128, spec=spec)
+    long_ids, long_stats = engine.generate([[2, 7, 1, 8, 2]], 300, spec=spec)
     report["long"] = [len(long_ids[0]), long_stats.compiles]
     engine.generate([[2, 7, 1, 8, 2]], 128, spec=Speculation(spec.proposer, TreeConfig(
         budget=32, max_depth=6, branch=4, builder="treespark")))
     report["new_budget_programs"] = engine_mod._spec_program.cache_size() - before
+    report["long_equal"] = long_ids == one.generate([[2, 7, 1, 8, 2]], 300, spec=Speculation(
+        BlockProposer.create(drafter, target), tree))[0]
 
     # The API on a mesh (what `treespark generate --mesh` runs): the same replies as one device.
     from treespark_jax.api import load
@@ -280,8 +283,9 @@ def test_sharded_generation_and_training_equal_one_device(tmp_path, tiny_run):
     assert report["spec_equal"] and report["ar_equal"] and report["api_equal"], report
     assert report["layouts"] == [[None, "model"], [], [None, "data"], [None, "data"], ["model"], ["data"]], report
     assert report["wq_shard"] == [48, 16], report  # 4 heads of 16 over 4 devices: one head each
-    # A 128-token generation compiles nothing new; a new maximum budget compiles one program.
-    assert report["long"] == [128, 0] and report["new_budget_programs"] == 1, report
+    # A 300-token generation compiles nothing new and equals one device's; a new maximum budget
+    # compiles one program.
+    assert report["long"] == [300, 0] and report["long_equal"] and report["new_budget_programs"] == 1, report
     # Gradients and 3 SGD steps with data=4 x model=2 equal one device (float32 sums in another order).
     assert report["nonzero_grads"] == report["leaves"], report
     assert report["grads"] < 1e-5 and report["params"] < 1e-5 and report["sgd_change"] < 1e-4, report
