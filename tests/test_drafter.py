@@ -69,8 +69,8 @@ def cache_free_forward(drafter, anchor, features, n, head):
         w = layer.arrays(cfg)
         h = rms_norm(x, w["attn_norm"], cfg.rms_eps)
         (kc, vc), (kb, vb) = key_value_heads(w, cfg, ctx, ctx_pos), key_value_heads(w, cfg, h, block_pos)
-        attn = attention(query_heads(w, cfg, h, block_pos), jnp.concatenate([kc, kb], 1),
-                         jnp.concatenate([vc, vb], 1), mask)
+        attn = attention(query_heads(w, cfg, h, block_pos), jnp.concatenate([kc, kb], 2),
+                         jnp.concatenate([vc, vb], 2), mask)
         x = finish_layer(w, cfg, x, attn)
     return head.logits(rms_norm(x, drafter.final_norm[...], cfg.rms_eps))
 

@@ -30,10 +30,10 @@ def test_key_widths_are_powers_of_two_from_the_minimum_then_the_capacity():
 def random_cache(cfg, lengths, seed, poison_from=None):
     """A cache whose every slot holds random keys/values; slots ≥ ``poison_from`` hold NaN values."""
     rng = np.random.default_rng(seed)
-    shape = (cfg.n_layers, len(lengths), CAPACITY, cfg.n_kv_heads, cfg.head_dim)
+    shape = (cfg.n_layers, len(lengths), cfg.n_kv_heads, CAPACITY, cfg.head_dim)
     k, v = rng.standard_normal(shape), rng.standard_normal(shape)
     if poison_from is not None:
-        v[:, :, poison_from:] = np.nan
+        v[:, :, :, poison_from:] = np.nan
     return KVCache(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32))
 
 

@@ -221,5 +221,5 @@ def test_commit_gives_the_cache_prefill_would_give(model):
                 KVCache.zeros(cfg, 1, cap, jnp.float64)).cache
     n = len(seq)
     assert int(committed.lengths[0]) == n
-    np.testing.assert_allclose(committed.k[:, :, :n], ref.k[:, :, :n], rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(committed.v[:, :, :n], ref.v[:, :, :n], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(committed.k[:, :, :, :n], ref.k[:, :, :, :n], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(committed.v[:, :, :, :n], ref.v[:, :, :, :n], rtol=1e-10, atol=1e-12)

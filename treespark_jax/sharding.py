@@ -7,11 +7,11 @@ parallelism). Every rule is stated once, per dimension letter of the shape legen
 =========  ========  ==================================================================
 dimension  axis      arrays
 =========  ========  ==================================================================
-``B``      data      KV and drafter-context caches ``[L, B, S, K, E]``, every decode-state
+``B``      data      KV and drafter-context caches ``[L, B, K, S, E]``, every decode-state
                      and request array ``[B, ...]``, training batches ``[B, ...]``
 ``H``      model     query heads: ``wq [D, H·E]`` and ``bq`` columns, ``wo [H·E, D]`` rows
 ``K``      model     kv heads: ``wk``/``wv [D, K·E]`` and ``bk``/``bv`` columns, caches
-                     ``[L, B, S, K, E]``
+                     ``[L, B, K, S, E]``
 ``F``      model     MLP width: ``w_gate``/``w_up [D, F]`` columns, ``w_down [F, D]`` rows
 other      —         replicated: embedding and LM head ``[V, D]``, norms, the drafter's
                      context projection ``fc``, MASK embedding and heads, scalars
@@ -25,7 +25,7 @@ target's shapes and names, so they follow the same rules, and so does an optimiz
 
 Where an array's dimensions come from: a named weight's from :data:`WEIGHT_DIMS` (the names
 of ``models/weights.py``), any other array's from the jaxtyping annotation of the dataclass
-field holding it (``KVCache.k: Float[Array, "L B S K E"]``). An array with neither is
+field holding it (``KVCache.k: Float[Array, "L B K S E"]``). An array with neither is
 replicated. With the ``data`` and ``model`` shardings in place, ``jax.jit`` and XLA's
 partitioner insert the collectives: the all-reduce after ``wo`` and ``w_down``, the gradient
 mean over ``data`` (the current form of ``pmap`` + ``psum``).

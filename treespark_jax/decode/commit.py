@@ -19,7 +19,7 @@ def commit_path(cache: KVCache, path: Int[Array, "B D"], n_accepted: Int[Array, 
     order, ``path[b, j] ≥ j`` and all sources are read before any destination is written.
 
     Args:
-      cache: ``[L, B, S, K, E]`` cache after the verify call (``lengths`` not yet advanced).
+      cache: ``[L, B, K, S, E]`` cache after the verify call (``lengths`` not yet advanced).
       path: ``[B, D]`` int32 accepted node indices, ``-1`` padded.
       n_accepted: ``[B]`` int32 accepted drafted nodes.
       active: ``[B]`` bool rows still generating (finished rows keep their length).

@@ -57,7 +57,7 @@ class DrafterWeights:
 
 @struct.dataclass
 class DrafterState:
-    """Proposer state: the weights and the context cache (``[L_d, B, S, K, E]``, ``lengths [B]``)."""
+    """Proposer state: the weights and the context cache (``[L_d, B, K, S, E]``, ``lengths [B]``)."""
 
     weights: DrafterWeights
     context: KVCache

@@ -208,7 +208,7 @@ class BlockDrafter(nnx.Module):
     def empty_context(self, batch: int, capacity: int) -> KVCache:
         """A context cache of ``capacity`` positions (tokens) per row, all rows empty."""
         t = self.target_cfg
-        shape = (self.cfg.n_layers, batch, capacity, t.n_kv_heads, t.head_dim)
+        shape = (self.cfg.n_layers, batch, t.n_kv_heads, capacity, t.head_dim)
         return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
                        lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -223,7 +223,7 @@ class BlockDrafter(nnx.Module):
         capacity are dropped.
 
         Args:
-          context: the cache (``[L_d, B, S, K, E]``, per-row ``lengths``).
+          context: the cache (``[L_d, B, K, S, E]``, per-row ``lengths``).
           features: ``[B, T, m·D]`` target features, concatenated in ``cfg.target_layer_ids`` order.
           n: ``[B]`` int32 rows to commit per batch row (0 leaves the row unchanged).
 
@@ -241,7 +241,7 @@ class BlockDrafter(nnx.Module):
         return context.replace(k=k_all, v=v_all, lengths=context.lengths + n.astype(jnp.int32))
 
     def context_keys_values(self, features: Float[Array, "B T X"], positions: Int[Array, "B T"]
-                            ) -> list[tuple[Float[Array, "B T K E"], Float[Array, "B T K E"]]]:
+                            ) -> list[tuple[Float[Array, "B K T E"], Float[Array, "B K T E"]]]:
         """Every drafter layer's keys (RoPE at ``positions``) and values of ``RMSNorm(features @ fc)``.
 
         Args:
@@ -249,7 +249,7 @@ class BlockDrafter(nnx.Module):
           positions: ``[B, T]`` int32 absolute positions of the tokens the features belong to.
 
         Returns:
-          One ``(k, v)`` pair per drafter layer, each ``[B, T, K, E]``.
+          One ``(k, v)`` pair per drafter layer, each ``[B, K, T, E]`` (head-major).
         """
         t_cfg = self.target_cfg
         ctx = rms_norm(features.astype(self.dtype) @ self.fc[...], self.context_norm[...], t_cfg.rms_eps)
@@ -291,21 +291,21 @@ class BlockDrafter(nnx.Module):
         def over(width: int, x):  # the context's first ``width`` slots, then the block
             committed = jnp.arange(width)[None, None, :] < context.lengths[:, None, None]
             mask = jnp.concatenate([jnp.broadcast_to(committed, (b, p, width)), jnp.ones((b, p, p), bool)], axis=2)
-            return self.blocks(x, positions, [(k[:, :width], v[:, :width]) for k, v in zip(context.k, context.v)],
+            return self.blocks(x, positions, [(k[:, :, :width], v[:, :, :width]) for k, v in zip(context.k, context.v)],
                                mask)
 
         hidden = by_key_width(context.capacity, jnp.max(context.lengths), over, x)[:, :depth]
         return DrafterOutput(hidden=hidden, logits=(draft_head or head).logits(hidden))
 
     def blocks(self, x: Float[Array, "B Q D"], positions: Int[Array, "B Q"],
-               context_kv: list[tuple[Float[Array, "B S K E"], Float[Array, "B S K E"]]],
+               context_kv: list[tuple[Float[Array, "B K S E"], Float[Array, "B K S E"]]],
                mask: Bool[Array, "B Q S+Q"]) -> Float[Array, "B Q D"]:
         """The drafter layers over ``Q`` block rows: the one forward shared by inference and training.
 
         Args:
           x: ``[B, Q, D]`` block inputs (anchor embedding or MASK per row).
           positions: ``[B, Q]`` int32 absolute positions of the rows (RoPE).
-          context_kv: per drafter layer, context keys and values ``[B, S, K, E]``.
+          context_kv: per drafter layer, context keys and values ``[B, K, S, E]``.
           mask: ``[B, Q, S + Q]`` bool, what each row may attend to: context slots, then the
             block rows themselves.
 
@@ -317,8 +317,8 @@ class BlockDrafter(nnx.Module):
             w = layer.arrays(t_cfg)
             h = rms_norm(x, w["attn_norm"], t_cfg.rms_eps)
             k, v = key_value_heads(w, t_cfg, h, positions)
-            keys = jnp.concatenate([ctx_k, k], axis=1)
-            values = jnp.concatenate([ctx_v, v], axis=1)
+            keys = jnp.concatenate([ctx_k, k], axis=2)
+            values = jnp.concatenate([ctx_v, v], axis=2)
             x = finish_layer(w, t_cfg, x, attention(query_heads(w, t_cfg, h, positions), keys, values, mask))
         return rms_norm(x, self.final_norm[...], t_cfg.rms_eps)
 

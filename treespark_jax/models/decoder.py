@@ -45,10 +45,10 @@ class DecoderOutput:
     cache: KVCache
 
 
-def _leading_attention(layer: int, width: int, q: Float[Array, "B T H E"], k: Float[Array, "L B S K E"],
-                       v: Float[Array, "L B S K E"], mask: Bool[Array, "B T S"]) -> Float[Array, "B T H E"]:
+def _leading_attention(layer: int, width: int, q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"],
+                       v: Float[Array, "L B K S E"], mask: Bool[Array, "B T S"]) -> Float[Array, "B T H E"]:
     """Attention of ``q`` over layer ``layer``'s first ``width`` cache slots."""
-    return attention(q, k[layer, :, :width], v[layer, :, :width], mask[:, :, :width])
+    return attention(q, k[layer, :, :, :width], v[layer, :, :, :width], mask[:, :, :width])
 
 
 class DecoderLayer(nnx.Module):

@@ -26,26 +26,27 @@ class KVCache:
     decides which of them become committed). Positions (for RoPE) are not implied by slots.
 
     Attributes:
-      k: ``[L, B, S, K, E]`` keys (RoPE applied).
-      v: ``[L, B, S, K, E]`` values.
+      k: ``[L, B, K, S, E]`` keys (RoPE applied), head-major: each kv head's slots are one
+        contiguous ``[S, E]`` matrix, the operand ``models/layers.py::attention`` reads.
+      v: ``[L, B, K, S, E]`` values.
       lengths: ``[B]`` int32 committed slots per row.
     """
 
-    k: Float[Array, "L B S K E"]
-    v: Float[Array, "L B S K E"]
+    k: Float[Array, "L B K S E"]
+    v: Float[Array, "L B K S E"]
     lengths: Int[Array, "B"]
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
         """An empty cache for ``batch`` rows of ``capacity`` slots (tokens) each."""
-        shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def capacity(self) -> int:
         """S, slots per row."""
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
@@ -90,9 +91,9 @@ def cache_nbytes(cfg: ModelConfig, batch: int, capacity: int, itemsize: int = 4)
     return 2 * cfg.n_layers * batch * capacity * cfg.n_kv_heads * cfg.head_dim * itemsize
 
 
-def write_slots(buf: Float[Array, "L B S K E"], layer: int, slots: Int[Array, "B T"],
-                new: Float[Array, "B T K E"]) -> Float[Array, "L B S K E"]:
-    """``buf`` with ``new[b, t]`` written at ``[layer, b, slots[b, t]]`` (slots ≥ S are dropped).
+def write_slots(buf: Float[Array, "L B K S E"], layer: int, slots: Int[Array, "B T"],
+                new: Float[Array, "B K T E"]) -> Float[Array, "L B K S E"]:
+    """``buf`` with ``new[b, :, t]`` written at ``[layer, b, :, slots[b, t]]`` (slots ≥ S are dropped).
 
     Row-parallel on a mesh's ``data`` axis (``sharding.data_parallel``): each device writes its
     own rows, where a plain scatter would all-gather ``new`` over the batch first.
@@ -100,18 +101,19 @@ def write_slots(buf: Float[Array, "L B S K E"], layer: int, slots: Int[Array, "B
     def write(buf, slots, new):
         b, t = slots.shape
         rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-        return buf.at[layer, rows, slots].set(new.astype(buf.dtype), mode="drop")
+        # the indexed dims lead the update: [B, T, K, E]
+        return buf.at[layer, rows, :, slots].set(jnp.swapaxes(new, 1, 2).astype(buf.dtype), mode="drop")
 
     return data_parallel(write, (1, 0, 0), 1)(buf, slots, new)
 
 
-def move_slots(buf: Float[Array, "L B S K E"], src: Int[Array, "B X"], dst: Int[Array, "B X"]
-               ) -> Float[Array, "L B S K E"]:
+def move_slots(buf: Float[Array, "L B K S E"], src: Int[Array, "B X"], dst: Int[Array, "B X"]
+               ) -> Float[Array, "L B K S E"]:
     """``buf`` with slot ``src[b, x]`` of row ``b`` copied to slot ``dst[b, x]`` in every layer
     (all reads before any write; destinations ≥ S are dropped). Row-parallel like ``write_slots``."""
     def move(buf, src, dst):
         b, x = src.shape
         rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, x))
-        return buf.at[:, rows, dst].set(buf[:, rows, src], mode="drop")
+        return buf.at[:, rows, :, dst].set(buf[:, rows, :, src], mode="drop")
 
     return data_parallel(move, (1, 0, 0), 1)(buf, src, dst)

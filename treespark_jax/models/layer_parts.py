@@ -10,6 +10,7 @@ functions here. ``p`` is a layer's weights by their ``models/weights.py`` names 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from treespark_jax.config import ModelConfig
 from treespark_jax.models.layers import rms_norm, rope, swiglu
@@ -30,8 +31,9 @@ def query_heads(p: dict[str, jax.Array], cfg: ModelConfig, h: Float[Array, "B T 
 
 def key_value_heads(p: dict[str, jax.Array], cfg: ModelConfig, h: Float[Array, "B T D"],
                     positions: Int[Array, "B T"]
-                    ) -> tuple[Float[Array, "B T K E"], Float[Array, "B T K E"]]:
-    """Keys (RoPE applied) and values of normed inputs ``h``, same family switches as queries."""
+                    ) -> tuple[Float[Array, "B K T E"], Float[Array, "B K T E"]]:
+    """Keys (RoPE applied) and values of normed inputs ``h``, same family switches as queries,
+    head-major like the KV cache (``models/layers.py::attention``)."""
     k, v = h @ p["wk"], h @ p["wv"]
     if cfg.qkv_bias:
         k, v = k + p["bk"], v + p["bv"]
@@ -39,7 +41,7 @@ def key_value_heads(p: dict[str, jax.Array], cfg: ModelConfig, h: Float[Array, "
     v = v.reshape(*h.shape[:2], cfg.n_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-    return rope(k, positions, cfg.rope_theta), v
+    return jnp.swapaxes(rope(k, positions, cfg.rope_theta), 1, 2), jnp.swapaxes(v, 1, 2)
 
 
 def finish_layer(p: dict[str, jax.Array], cfg: ModelConfig, x: Float[Array, "B T D"],

@@ -33,23 +33,31 @@ def rope(x: Float[Array, "B T X E"], positions: Int[Array, "B T"], theta: float)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attention(q: Float[Array, "B T H E"], k: Float[Array, "B S K E"], v: Float[Array, "B S K E"],
+def attention(q: Float[Array, "B T H E"], k: Float[Array, "B K S E"], v: Float[Array, "B K S E"],
               mask: Bool[Array, "B T S"]) -> Float[Array, "B T H E"]:
     """Grouped-query softmax attention with an explicit boolean mask (True = may attend).
 
+    Keys and values are head-major (``[B, K, S, E]``, the KV cache's layout): each kv head's
+    keys are one contiguous ``[S, E]`` matrix, and both products are plain batched matmuls over
+    ``(B, K)`` with the ``T·G`` queries of a head group as one operand. The scores are laid out
+    ``[B, K, S, T·G]`` (keys major) and the softmax runs over ``S``: on the CPU backend this order
+    measured 3–4× faster than query-major scores for one to a few query rows (the decode step
+    and small verifies, where attention is a read of the cache), and no slower for hundreds.
     Scores and softmax run in float32 (float64 when the inputs are float64). Every query row
     must have at least one True in ``mask`` (the caller lets padding rows attend to themselves).
     """
     b, t, h, e = q.shape
-    kv = k.shape[2]
+    kv, s = k.shape[1], k.shape[2]
+    g = h // kv
     acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-    qg = q.reshape(b, t, kv, h // kv, e)
-    scores = jnp.einsum("BTKGE,BSKE->BKGTS", qg, k, preferred_element_type=acc) / jnp.sqrt(
+    queries = q.reshape(b, t, kv, g, e).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, e)
+    scores = jnp.einsum("BKSE,BKQE->BKSQ", k, queries, preferred_element_type=acc) / jnp.sqrt(
         jnp.asarray(e, acc))
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(acc).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKE->BTKGE", probs, v)
-    return out.reshape(b, t, h, e)
+    allowed = jnp.broadcast_to(jnp.swapaxes(mask, 1, 2)[:, None, :, :, None], (b, 1, s, t, g)).reshape(b, 1, s, t * g)
+    scores = jnp.where(allowed, scores, jnp.finfo(acc).min)
+    probs = jax.nn.softmax(scores, axis=2).astype(v.dtype)
+    out = jnp.einsum("BKSQ,BKSE->BKQE", probs, v)
+    return out.reshape(b, kv, t, g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h, e)
 
 
 def swiglu(x: Float[Array, "B T D"], w_gate: Float[Array, "D F"], w_up: Float[Array, "D F"],
