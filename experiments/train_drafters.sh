@@ -21,16 +21,17 @@ cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 DATA=${DATA:-experiments/data}
-LIMIT=${LIMIT:-192}            # training prompts per set (GSM8K has 1,287; HumanEval 132; MT-Bench 48)
-NEW=${NEW:-128}                # new tokens per rollout
-STEPS=${STEPS:-600}            # optimizer steps per drafter
+LIMIT=${LIMIT:-}               # training prompts per set (empty: all; GSM8K has 1,287, HumanEval 132, MT-Bench 48)
+NEW=${NEW:-256}                # new tokens per rollout
+RBATCH=${RBATCH:-32}           # prompts per rollout generation batch (and shard)
+STEPS=${STEPS:-6000}           # optimizer steps per drafter
 BATCH=${BATCH:-4}              # sequences per step
 SEQ=${SEQ:-384}                # tokens per sequence (prompt + response, longer ones are cut)
 ANCHORS=${ANCHORS:-16}         # gold-chain blocks per sequence
 BUDGET=${BUDGET:-16}           # tree budget of the on-policy rollouts
 SETS="gsm8k humaneval mtbench"
 ONPOLICY=${ONPOLICY:-gsm8k}    # sets whose on-policy trees are logged (the others stay plain; CPU time)
-SELF=${SELF:-0}                # self-generated chat prompts (DESIGN.md §1.4); the shipped drafters used none
+SELF=${SELF:-4000}             # self-generated chat prompts (DESIGN.md §1.4)
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary the drafters train on and draft from (most frequent training tokens)
 T="$PY -m treespark_jax.cli"
 TRAIN_ARGS="--steps $STEPS --batch $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
@@ -42,14 +43,14 @@ train_plain() { plain train; self_rollouts; }  # the sets' train splits and the 
 
 stage_rollouts() {
   for s in $SETS; do
-    $T rollout --prompts "$s" --split train --limit "$LIMIT" --max-new-tokens "$NEW" --batch-size 16 \
+    $T rollout --prompts "$s" --split train ${LIMIT:+--limit "$LIMIT"} --max-new-tokens "$NEW" --batch-size "$RBATCH" \
       --out "$DATA/rollouts-$s-train"
-    $T rollout --prompts "$s" --split eval --max-new-tokens "$NEW" --batch-size 16 --out "$DATA/rollouts-$s-eval"
+    $T rollout --prompts "$s" --split eval --max-new-tokens "$NEW" --batch-size "$RBATCH" --out "$DATA/rollouts-$s-eval"
   done
   if [ "$SELF" -gt 0 ]; then
     # the prompt file is written once (seeded, so a re-run would write the same); its rollouts resume
     [ -f "$DATA/self-prompts-$SELF.jsonl" ] || $T self-prompts --n "$SELF" --seed 0 --out "$DATA/self-prompts-$SELF.jsonl"
-    $T rollout --prompts "$DATA/self-prompts-$SELF.jsonl" --max-new-tokens "$NEW" --batch-size 16 \
+    $T rollout --prompts "$DATA/self-prompts-$SELF.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
       --out "$(self_rollouts)"
   fi
 }
@@ -57,7 +58,7 @@ stage_dflash() { $T train --rollouts $(train_plain) --loss dflash $TRAIN_ARGS $V
 stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dspark"; }
 stage_onpolicy() {
   for s in $ONPOLICY; do
-    $T rollout --prompts "$s" --split train --limit "$LIMIT" --max-new-tokens "$NEW" --batch-size 16 \
+    $T rollout --prompts "$s" --split train ${LIMIT:+--limit "$LIMIT"} --max-new-tokens "$NEW" --batch-size "$RBATCH" \
       --drafter "$DATA/dspark/drafter" --method pctree --budget "$BUDGET" --out "$DATA/onpolicy-$s-train"
   done
 }
@@ -82,7 +83,7 @@ ABLATE_STEPS=${ABLATE_STEPS:-100}  # steps per loss-term ablation run
 NO_TREE_TERMS=tree_tv=0,tree_ce=0,tree_coverage=0,tree_edge=0
 ABLATIONS="full: unit_weights:tree_tv=0.9,tree_ce=0.1,tree_coverage=1,tree_edge=1 no_tree_terms:$NO_TREE_TERMS no_coverage:tree_coverage=0 no_edge:tree_edge=0"
 stage_ablate() {  # treespark loss terms, each variant from the dspark drafter for ABLATE_STEPS, offline tree τ on GSM8K eval
-  $T rollout --prompts gsm8k --split eval --max-new-tokens "$NEW" --batch-size 16 --out "$DATA/rollouts-gsm8k-eval"
+  $T rollout --prompts gsm8k --split eval --max-new-tokens "$NEW" --batch-size "$RBATCH" --out "$DATA/rollouts-gsm8k-eval"
   mkdir -p "$DATA/ablate-start"  # the reference: the dspark drafter every variant starts from
   $T eval-drafter --drafter "$DATA/dspark/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
     --budget "$BUDGET" --json-out "$DATA/ablate-start/eval.json"

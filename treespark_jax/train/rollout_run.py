@@ -230,6 +230,9 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                    binding: TargetBinding | None = None, progress: bool = True) -> RolloutRun:
     """Writes (or resumes) a rollout directory: one record per prompt, one shard per batch.
 
+    The prompts not yet done are batched in order of token length (shortest first, ties in the
+    given order), so each batch's prefill pads to a bucket close to its own prompts.
+
     Args:
       target: the loaded target (``models.load.Target``: ``model``, ``tokenizer``, ``cfg``).
       prompts: the prompts in order (ids unique); each answers its first user turn through the
@@ -280,7 +283,9 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
               "identity": identity, "trees": spec is not None}
     with RolloutWriter(out, header) as writer:  # holds the directory's lock until the last shard
         done = writer.done_prompt_ids
-        todo = [p for p in prompts if p.id not in done]
+        # Shortest first (stable, so deterministic): a batch pads to its longest prompt's bucket,
+        # and batches of like lengths spend their prefill on prompt tokens rather than padding.
+        todo = sorted((p for p in prompts if p.id not in done), key=lambda p: len(tokenized[p.id]))
         run = RolloutRun(manifest=writer.manifest, skipped=len(prompts) - len(todo))
         engine = engine or Engine(target.model, target.tokenizer.stop_ids)
         head = TargetHead.of(target.model, target.model.dtype)
