@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= A farmer has 12 cows and buys 3 times as many sheep. How many animals does he have now? Think step by step.
 
-.PHONY: demo test install install-test clean-venv
+.PHONY: demo test test-fast install install-test clean-venv
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,10 +31,12 @@ demo: install
 # workers, 65 CPU-minutes, where one process took 2,847 s in CI). The parity group (real 0.5B
 # weights in JAX and in torch at once) runs alone.
 TEST_WORKERS ?= 2
-test: install-test
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+test: test-fast
 	$(PY) -m pytest -q -m "slow and parity" $(PYTEST_ARGS)
 	$(PY) -m pytest -q -m "slow and not parity" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+test-fast: install-test
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
