@@ -40,9 +40,10 @@ def attention(q: Float[Array, "B T H E"], k: Float[Array, "B K S E"], v: Float[A
     Keys and values are head-major (``[B, K, S, E]``, the KV cache's layout): each kv head's
     keys are one contiguous ``[S, E]`` matrix, and both products are plain batched matmuls over
     ``(B, K)`` with the ``T·G`` queries of a head group as one operand. The scores are laid out
-    ``[B, K, S, T·G]`` (keys major) and the softmax runs over ``S``: on the CPU backend this order
-    measured 3–4× faster than query-major scores for one to a few query rows (the decode step
-    and small verifies, where attention is a read of the cache), and no slower for hundreds.
+    ``[B, K, S, T·G]`` (keys major) and the softmax runs over ``S``: on the CPU backend this
+    measured 2–4× faster than query-major scores over ``[B, S, K, E]`` for one query row (the
+    decode step, where attention is a read of the cache), 1.6–1.8× for 9–33 rows and 1.2× for a
+    prefill (``experiments/bench_attention.py``).
     Scores and softmax run in float32 (float64 when the inputs are float64). Every query row
     must have at least one True in ``mask`` (the caller lets padding rows attend to themselves).
     """
