@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from treespark_jax.config import BUILDERS, TreeConfig
+from treespark_jax.testing.random_proposal import random_proposal
 from treespark_jax.tree.builders import build_tree
-from treespark_jax.tree.random_proposal import random_proposal
 
 MODES = {  # name: (temp, top_p, sample)
     "greedy": (0.0, 1.0, False),

@@ -4,10 +4,10 @@ What ``treespark rollout`` spends per batch of prompts, run side by side in one 
 same prompts (training split of a prompt set, first user turn through the chat template, greedy):
 
 - ``two passes`` (the rollout of commit e910eea): ``Engine.generate``, then one causal forward
-  of the target over every ``prompt + response`` (``rollout_run.target_features``);
+  of the target over every ``prompt + response`` (``rollouts.writer.target_features``);
 - ``while generating`` (today's): ``Engine.generate_features`` logs every token's features and
   hidden state from the generation's own forwards, then the LM head gives the normaliser of the
-  rows from the last prompt token on (``rollout_run.record_normalisers``).
+  rows from the last prompt token on (``rollouts.writer.record_normalisers``).
 
 Tokens/s counts response tokens over the wall time of generation and features (compilation
 excluded: every variant and batch size runs once before it is timed; writing shards is left
@@ -31,8 +31,9 @@ from treespark_jax.config import default_layer_ids
 from treespark_jax.decode.engine import Engine
 from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.load import load_target
-from treespark_jax.train.prompts import load_prompts, prompt_ids
-from treespark_jax.train.rollout_run import record_normalisers, target_features
+from treespark_jax.prompts.chat import prompt_ids
+from treespark_jax.prompts.load import load_prompts
+from treespark_jax.rollouts.writer import record_normalisers, target_features
 
 
 def two_passes(target, engine, prompts, batch, new, layer_ids) -> int:

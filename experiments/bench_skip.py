@@ -35,7 +35,8 @@ from pathlib import Path
 
 from treespark_jax.api import load
 from treespark_jax.decode.cost_model import CostModel
-from treespark_jax.train.prompts import load_prompts, prompt_ids
+from treespark_jax.prompts.chat import prompt_ids
+from treespark_jax.prompts.load import load_prompts
 
 FIRST = {"gsm8k": 192, "humaneval": 0, "mtbench": 0}  # where each set's window of training prompts starts
 

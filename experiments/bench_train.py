@@ -36,14 +36,14 @@ from flax import nnx
 
 from treespark_jax.config import TrainConfig
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
+from treespark_jax.losses.chain import LossConfig
 from treespark_jax.methods import drafter_config
 from treespark_jax.models.load import load_target
+from treespark_jax.rollouts.records import make_record
+from treespark_jax.rollouts.writer import record_arrays
 from treespark_jax.train.batches import batch_from_records
-from treespark_jax.train.losses import LossConfig
 from treespark_jax.train.optim import make_optimizer
 from treespark_jax.train.parallel import data_mesh
-from treespark_jax.train.rollout_records import make_record
-from treespark_jax.train.rollout_run import record_arrays
 from treespark_jax.train.step import TrainStep, init_state
 
 

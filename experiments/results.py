@@ -48,10 +48,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from treespark_jax.api import load  # noqa: E402
 from treespark_jax.bench.compare import compare, cpu_model  # noqa: E402
 from treespark_jax.config import BUILDERS  # noqa: E402
-from treespark_jax.decode.cost_model import current_device_kind, profile_path, target_id  # noqa: E402
+from treespark_jax.decode.cost_store import current_device_kind, profile_path, target_id  # noqa: E402
+from treespark_jax.losses.chain import LossConfig  # noqa: E402
 from treespark_jax.methods import METHODS  # noqa: E402
-from treespark_jax.train.chain_losses import LossConfig  # noqa: E402
-from treespark_jax.train.prompts import load_prompts, prompt_ids  # noqa: E402
+from treespark_jax.prompts.chat import prompt_ids  # noqa: E402
+from treespark_jax.prompts.load import load_prompts  # noqa: E402
 
 HERE = Path(__file__).parent
 PRESET = "smollm2-135m"

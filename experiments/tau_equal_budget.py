@@ -47,7 +47,8 @@ def measure(sets: list[str], limit: int, max_new_tokens: int, budgets: list[int]
     """
     from treespark_jax.api import load
     from treespark_jax.bench.compare import compare
-    from treespark_jax.train.prompts import load_prompts, prompt_ids
+    from treespark_jax.prompts.chat import prompt_ids
+    from treespark_jax.prompts.load import load_prompts
 
     clock, started = cpu_clock(), time.time()
     lm = load(PRESET)

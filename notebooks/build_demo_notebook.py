@@ -283,7 +283,8 @@ CELLS = [
     """),
     code('''
         from treespark_jax.bench.compare import compare
-        from treespark_jax.train.prompts import load_prompts, prompt_ids
+        from treespark_jax.prompts.chat import prompt_ids
+        from treespark_jax.prompts.load import load_prompts
 
         records = load_prompts("gsm8k", "eval")[:SWEEP_PROMPTS]
         prompts = [prompt_ids(lm.tokenizer, rec) for rec in records]

@@ -129,7 +129,6 @@ def test_greedy_hand_built_trees():
     np.testing.assert_array_equal(out.path_tokens, [[1, -1, -1], [1, 4, 3], [-1, -1, -1]])
     np.testing.assert_array_equal(out.n_accepted, [1, 3, 0])
     np.testing.assert_array_equal(out.bonus, [9, 8, 7])
-    np.testing.assert_array_equal(out.last_row, [1, 5, 0])
     np.testing.assert_array_equal(out.accepted, [[1, 0, 0, 0, 0], [1, 0, 1, 0, 1], [0, 0, 0, 0, 0]])
 
 

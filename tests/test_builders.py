@@ -17,11 +17,11 @@ from scipy import stats
 
 from treespark_jax.config import BUILDERS, TreeConfig
 from treespark_jax.sampling import processed_logprobs
+from treespark_jax.testing.random_proposal import random_proposal
 from treespark_jax.tree.best_first import best_first
 from treespark_jax.tree.builders import build_tree
 from treespark_jax.tree.children import draft_logprobs, sampled_slot_log_survival
 from treespark_jax.tree.proposal import Proposal, child_logits
-from treespark_jax.tree.random_proposal import random_proposal
 from treespark_jax.tree.verify_size import choose_verify_size, expected_accepted
 
 FIELDS = ("tokens", "parents", "depths", "sibling_rank", "pool_index", "valid", "score")

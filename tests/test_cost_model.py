@@ -13,9 +13,10 @@ import pytest
 from treespark_jax.bench.profile import check_profile_args, parse_contexts, profile_cost, profile_rows
 from treespark_jax.cli import main
 from treespark_jax.config import TreeConfig
-from treespark_jax.decode import cost_model as cm
-from treespark_jax.decode.cost_model import (CostModel, cost_model_for, fit_monotone_convex, load_cost_model,
-                                             pool_adjacent_violators, profile_path, save_cost_model, target_id)
+from treespark_jax.decode import cost_store
+from treespark_jax.decode.cost_fit import fit_monotone_convex, pool_adjacent_violators
+from treespark_jax.decode.cost_model import CostModel
+from treespark_jax.decode.cost_store import cost_model_for, load_cost_model, profile_path, save_cost_model, target_id
 from treespark_jax.decode.speculative import SpecConfig
 
 from tiny import tiny_decoder
@@ -213,8 +214,8 @@ def test_corrupt_or_foreign_files_are_refused(tmp_path):
 
 def test_lookup_returns_the_stored_profile_else_the_shipped_default(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TREESPARK_CACHE", str(tmp_path))
-    default = cm.default_cost_model()
-    assert default == cm.DEFAULT_CPU_COST and default.device == "cpu"
+    default = cost_store.default_cost_model()
+    assert default == cost_store.DEFAULT_CPU_COST and default.device == "cpu"
     assert default.target == "smollm2-135m.float32"
     assert cost_model_for("cpu", "nothing.float32") == default
     with caplog.at_level(logging.WARNING):
@@ -228,7 +229,7 @@ def test_lookup_returns_the_stored_profile_else_the_shipped_default(tmp_path, mo
 
 
 def test_shipped_default_is_a_fitted_profile_covering_the_cpu_budgets():
-    cost = cm.DEFAULT_CPU_COST
+    cost = cost_store.DEFAULT_CPU_COST
     assert cost.rows == (2, 3, 5, 9, 17, 33) and len(cost.contexts) >= 2
     v = np.asarray(cost.verify_ms)
     assert (np.diff(v, axis=1) >= 0).all() and (np.diff(v, axis=0) >= 0).all()

@@ -9,20 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from treespark_jax.train import losses
-from treespark_jax.train.losses import (LOSSES, LoggedTrees, LossConfig, chain_acceptance, coverage_threshold,
-                                        default_decay, expected_chain_tau, loss_function, markov_logits,
-                                        tree_child_logits, tree_edge_logits, treespark)
+from treespark_jax.config import LOSSES
+from treespark_jax.losses import chain as chain_losses, tree as tree_losses
+from treespark_jax.losses.chain import LossConfig, chain_acceptance, default_decay, expected_chain_tau, markov_logits
+from treespark_jax.losses.tree import LoggedTrees, coverage_threshold, tree_child_logits, tree_edge_logits, treespark
 from treespark_jax.tree.arrays import DraftTree
 
 pytestmark = pytest.mark.usefixtures("x64")
 
 # One compile per function and shape instead of one per primitive: keeps the file fast on 2 cores.
-align_blocks = jax.jit(losses.align_blocks, static_argnames=("block_size",))
-dflash = jax.jit(losses.dflash, static_argnames=("cfg",))
-dspark = jax.jit(losses.dspark, static_argnames=("cfg",))
-verify_targets = jax.jit(losses.verify_targets, static_argnames=("rule", "branch"))
-tree_terms = jax.jit(losses.tree_terms, static_argnames=("rule", "cfg", "branch"))
+align_blocks = jax.jit(chain_losses.align_blocks, static_argnames=("block_size",))
+dflash = jax.jit(chain_losses.dflash, static_argnames=("cfg",))
+dspark = jax.jit(chain_losses.dspark, static_argnames=("cfg",))
+verify_targets = jax.jit(tree_losses.verify_targets, static_argnames=("rule", "branch"))
+tree_terms = jax.jit(tree_losses.tree_terms, static_argnames=("rule", "cfg", "branch"))
 markov_logits, tree_child_logits, tree_edge_logits, chain_acceptance, expected_chain_tau = map(
     jax.jit, (markov_logits, tree_child_logits, tree_edge_logits, chain_acceptance, expected_chain_tau))
 coverage_threshold = jax.jit(coverage_threshold, static_argnames=("max_children",))
@@ -276,11 +276,8 @@ def test_treespark_sums_chain_and_tree_and_jits():
     assert set(terms) == {"ce", "l1", "tree_tv", "tree_ce", "tree_coverage", "tree_edge"}
 
 
-def test_registry_and_config_errors():
+def test_loss_names_and_config_errors():
     assert LOSSES == ("dflash", "dspark", "treespark")
-    assert loss_function("dspark") is losses.dspark
-    with pytest.raises(ValueError, match="loss 'medusa' is unknown; choose one of dflash, dspark, treespark"):
-        loss_function("medusa")
     with pytest.raises(ValueError, match="coverage_beta"):
         LossConfig(coverage_beta=0.0)
     with pytest.raises(ValueError, match="tree_edge"):

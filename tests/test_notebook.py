@@ -9,7 +9,6 @@ a JSON of what it plotted next to it, which is checked here.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -12,11 +12,11 @@ from treespark_jax.decode.engine import Engine
 from treespark_jax.drafter.block_proposer import BlockProposer
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.methods import drafter_config, speculation
+from treespark_jax.rollouts.records import make_record
+from treespark_jax.rollouts.writer import record_arrays, tree_log
 from treespark_jax.train.batches import batch_from_records
 from treespark_jax.train.evaluate import evaluate_drafter
 from treespark_jax.train.objective import objective
-from treespark_jax.train.rollout_records import make_record
-from treespark_jax.train.rollout_run import record_arrays, tree_log
 
 from tiny import tiny_decoder
 

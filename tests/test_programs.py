@@ -5,7 +5,7 @@ import pytest
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode import programs
 from treespark_jax.decode.engine import Engine, Speculation
-from treespark_jax.drafter.random import RandomProposer
+from treespark_jax.testing.random_proposer import RandomProposer
 
 from tiny import SPEC_PROMPTS, tiny_decoder
 

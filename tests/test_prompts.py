@@ -14,11 +14,11 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from treespark_jax import assets
 from treespark_jax.models.tokenizer import Tokenizer
-from treespark_jax.train import prompt_sets
-from treespark_jax.train.prompts import (
-    DEFAULT_EVAL_SIZE, PROMPT_SETS, WRAPPERS, PromptRecord, load_prompts, messages, prompt_ids,
-    self_generated_prompts, split_eval_ids, user_turn_prefix,
-)
+from treespark_jax.prompts import sets as prompt_sets
+from treespark_jax.prompts.chat import messages, prompt_ids, user_turn_prefix
+from treespark_jax.prompts.load import DEFAULT_EVAL_SIZE, load_prompts, split_eval_ids
+from treespark_jax.prompts.self_generated import self_generated_prompts
+from treespark_jax.prompts.sets import PROMPT_SETS, WRAPPERS, PromptRecord
 
 # Evaluation ids of the default split (seed 0, 32 per set). The split must never move: a change
 # here means drafters trained before it may have seen today's evaluation prompts.

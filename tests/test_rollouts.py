@@ -30,9 +30,12 @@ from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.methods import drafter_config, speculation
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.models.load import load_target
-from treespark_jax.train.prompts import load_prompts, prompt_ids
-from treespark_jax.train.rollouts import (MANIFEST, RolloutError, RolloutSettings, RolloutWriter, TreeLog,
-                                          decode_record, encode_record, make_record, open_rollouts, write_rollouts)
+from treespark_jax.prompts.chat import prompt_ids
+from treespark_jax.prompts.load import load_prompts
+from treespark_jax.rollouts.reader import open_rollouts
+from treespark_jax.rollouts.records import RolloutError, StoredTrees, decode_record, encode_record, make_record
+from treespark_jax.rollouts.store import MANIFEST, RolloutWriter
+from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
 
 from tiny import CHATML, write_tiny_hf_target
 
@@ -289,7 +292,7 @@ def test_directories_must_share_target_and_layers(tmp_path, baseline):
         open_rollouts(none)
 
 
-def _trees(rng, tokens, r=3, n=4, d=48) -> TreeLog:
+def _trees(rng, tokens, r=3, n=4, d=48) -> StoredTrees:
     """Chains of depth n from anchors at 10, 11, 12 whose first two nodes match the sequence, plus a padded node."""
     anchor = np.array([10, 11, 12])
     depths = np.tile(np.arange(1, n + 1), (r, 1))
@@ -297,7 +300,7 @@ def _trees(rng, tokens, r=3, n=4, d=48) -> TreeLog:
     tree_tokens[:, 2:] = (tree_tokens[:, 2:] + 1) % 97  # rejected
     valid = np.ones((r, n), bool)
     valid[:, -1] = False
-    return TreeLog(anchor_pos=anchor, tokens=tree_tokens, parents=np.tile(np.arange(-1, n - 1), (r, 1)),
+    return StoredTrees(anchor_pos=anchor, tokens=tree_tokens, parents=np.tile(np.arange(-1, n - 1), (r, 1)),
                    depths=depths, sibling_rank=np.zeros((r, n), int), valid=valid,
                    accepted=np.tile(np.arange(n) < 2, (r, 1)),
                    node_hidden=rng.standard_normal((r, n + 1, d)), node_lse=rng.standard_normal((r, n + 1)),
@@ -312,7 +315,7 @@ def test_tree_logs_round_trip_and_are_checked(tmp_path, target):
                          rng.standard_normal(20), rng.integers(0, 97, 20), prompt_set="s",
                          prompt_id="a", seed=1, temp=1.0, top_p=1.0, finished=False, trees=trees)
     back = decode_record(encode_record(record))
-    stored = TreeLog.from_dict(back["trees"])
+    stored = StoredTrees.from_dict(back["trees"])
     assert (stored.rule, stored.temp) == ("rejection", 1.0) and stored.node_hidden.dtype == np.dtype("bfloat16")
     np.testing.assert_array_equal(stored.accepted, trees.accepted)
     np.testing.assert_allclose(stored.node_hidden.astype(np.float32), trees.node_hidden, rtol=2 ** -8)
@@ -393,7 +396,7 @@ def test_cli_speculative_rollout_and_a_drafter_of_another_target(tmp_path, tiny_
     assert manifest["identity"]["method"] == "pctree" and manifest["trees"] is True
     for a, b in zip(_records(tmp_path / "spec"), _records(baseline)):  # greedy speculation is lossless
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
-        trees = TreeLog.from_dict(a["trees"])  # on-policy: every verified tree, checked on write
+        trees = StoredTrees.from_dict(a["trees"])  # on-policy: every verified tree, checked on write
         assert trees.rule == "greedy" and len(trees.anchor_pos) >= 1 and trees.tokens.shape[1] == 4
         assert trees.valid[:, 0].all() and len(trees.anchor_pos) <= 8
     other = dataclasses.replace(target.cfg, n_layers=9)

@@ -54,12 +54,13 @@ import pytest
 from scipy import stats
 
 from treespark_jax.config import TreeConfig
-from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
+from treespark_jax.decode.cost_model import CostModel
+from treespark_jax.decode.cost_store import DEFAULT_CPU_COST
 from treespark_jax.decode.engine import Engine, Speculation
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.prompt_lookup import PromptLookup
-from treespark_jax.drafter.random import RandomProposer
 from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.testing.random_proposer import RandomProposer
 
 from tiny import tiny_decoder
 

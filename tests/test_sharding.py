@@ -28,8 +28,9 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
+from treespark_jax.mesh import MeshShape, make_mesh, parse_mesh
 from treespark_jax.models.kv_cache import KVCache
-from treespark_jax.sharding import MeshShape, Partitioner, make_mesh, parse_mesh
+from treespark_jax.sharding import Partitioner
 
 from tiny import tiny_config, tiny_decoder
 
@@ -125,7 +126,8 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     from treespark_jax.decode.engine import Engine, Speculation
     from treespark_jax.drafter.block_proposer import BlockProposer
     from treespark_jax.drafter.model import BlockDrafter
-    from treespark_jax.sharding import Partitioner, make_mesh
+    from treespark_jax.mesh import make_mesh
+    from treespark_jax.sharding import Partitioner
 
     assert jax.device_count() == 8
     report = {}
@@ -186,13 +188,14 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
 
     # Gradients and SGD steps, data=4 x model=2 against one device (float32).
     from treespark_jax.drafter.model import TargetHead
+    from treespark_jax.losses.chain import LossConfig
+    from treespark_jax.mesh import replicated
     from treespark_jax.methods import drafter_config
     from treespark_jax.models.load import load_target
+    from treespark_jax.rollouts.reader import open_rollouts
     from treespark_jax.train.checkpointing import TrainCheckpoints
     from treespark_jax.train.data import data_iterator, train_dataset
-    from treespark_jax.train.losses import LossConfig
-    from treespark_jax.train.parallel import global_batch, replicated
-    from treespark_jax.train.rollouts import open_rollouts
+    from treespark_jax.train.parallel import global_batch
     from treespark_jax.train.step import TrainStep, init_state
 
     hf, rollouts, out = sys.argv[2:5]
@@ -308,14 +311,15 @@ TWO_HOST_SCRIPT = textwrap.dedent("""
     from treespark_jax.cli import main
     from treespark_jax.config import TrainConfig
     from treespark_jax.drafter.model import BlockDrafter, TargetHead
+    from treespark_jax.losses.chain import LossConfig
+    from treespark_jax.mesh import make_mesh, process_data_block, replicated
     from treespark_jax.methods import drafter_config
     from treespark_jax.models.load import load_target
-    from treespark_jax.sharding import Partitioner, make_mesh, process_data_block
+    from treespark_jax.rollouts.reader import open_rollouts
+    from treespark_jax.sharding import Partitioner
     from treespark_jax.train.data import train_dataset
     from treespark_jax.train.loop import _host
-    from treespark_jax.train.losses import LossConfig
-    from treespark_jax.train.parallel import global_batch, replicated
-    from treespark_jax.train.rollouts import open_rollouts
+    from treespark_jax.train.parallel import global_batch
     from treespark_jax.train.step import TrainStep, init_state
 
     hf, rollouts, out, mesh_arg = sys.argv[1:5]

@@ -3,7 +3,6 @@
 import jax.numpy as jnp
 import numpy as np
 
-from treespark_jax.config import TreeConfig
 from treespark_jax.decode.skip import DECAY, MAX_PAUSE, SkipState, after_draft, after_skip
 
 
@@ -31,7 +30,3 @@ def test_failed_probes_double_the_pause_up_to_the_cap_and_a_paying_round_resets_
     expected = DECAY * 0.025 + (1 - DECAY) * 9.0 / 40.0
     np.testing.assert_allclose(state.rate, expected, rtol=1e-5)
     assert int(state.pause) == 0 and int(state.backoff) == 1
-
-
-def test_skipping_is_off_unless_asked_for():
-    assert TreeConfig().skip is False and TreeConfig(builder="chain", skip=True).skip is True

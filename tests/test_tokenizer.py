@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from treespark_jax.models.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from treespark_jax.models.stream_decode import StreamDecoder
+from treespark_jax.models.tokenizer import Tokenizer, TokenizerError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eot|>", "<|eom|>"]
 ENDOFTEXT, IM_START, IM_END, EOT, EOM = range(5)
@@ -175,7 +176,7 @@ def test_chat_template_errors(tmp_path):
 def test_smollm_pre_tokenizer_splits_digits_first_like_llama_cpp(tmp_path):
     """Independent oracle: llama.cpp's SMOLLM rule, ``\\p{N}`` then the GPT-2 regex."""
     regex = pytest.importorskip("regex")
-    from treespark_jax.models.tokenizer import _BYTE_ALPHABET
+    from treespark_jax.models.tokenizer_files import _BYTE_ALPHABET
 
     def split(pieces, pattern):
         out = []

@@ -26,11 +26,12 @@ from treespark_jax.config import TrainConfig
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter
 from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.load import load_target
+from treespark_jax.rollouts.reader import open_rollouts
+from treespark_jax.rollouts.records import StoredTrees, make_record
+from treespark_jax.rollouts.store import RolloutWriter
+from treespark_jax.rollouts.writer import record_arrays, tree_log
 from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab
-from treespark_jax.train.rollout_records import TreeLog
-from treespark_jax.train.rollout_run import record_arrays, tree_log
-from treespark_jax.train.rollouts import RolloutWriter, make_record, open_rollouts
 
 from tiny import write_tiny_hf_target
 
@@ -46,7 +47,7 @@ def write_tiny_target(path: Path, seed: int = 0) -> Path:
     return write_tiny_hf_target(path, layers=4, d=32, mlp=64, head_dim=8, max_positions=256, seed=seed)
 
 
-def _trees(tokens: np.ndarray, prompt_len: int, head: TargetHead, rng: np.random.Generator) -> TreeLog:
+def _trees(tokens: np.ndarray, prompt_len: int, head: TargetHead, rng: np.random.Generator) -> StoredTrees:
     """Three greedy-verified rounds of a 4-node tree each; the first node is the committed token."""
     anchors = np.sort(rng.choice(np.arange(prompt_len - 1, len(tokens) - 3), 3, replace=False))
     toks = rng.integers(3, 259, (3, 4))
@@ -225,7 +226,7 @@ def _assert_clean_error(capsys, rc: int, out: Path, *words: str) -> None:
 
 
 def test_the_shortest_prompt_comes_from_the_manifest_or_from_older_shards_records(tmp_path, rollouts):
-    from treespark_jax.train.rollout_store import prompt_tokens
+    from treespark_jax.rollouts.store import prompt_tokens
 
     want = min(prompt_tokens(r) for r in open_rollouts(rollouts))
     assert open_rollouts(rollouts).shortest_prompt == want
@@ -343,13 +344,14 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
 
     from treespark_jax.config import TrainConfig
     from treespark_jax.drafter.model import BlockDrafter, TargetHead
+    from treespark_jax.losses.chain import LossConfig
+    from treespark_jax.mesh import replicated
     from treespark_jax.methods import drafter_config
     from treespark_jax.models.load import load_target
+    from treespark_jax.rollouts.reader import open_rollouts
     from treespark_jax.train.data import train_dataset
     from treespark_jax.train.loop import train
-    from treespark_jax.train.losses import LossConfig
-    from treespark_jax.train.parallel import data_mesh, global_batch, replicated
-    from treespark_jax.train.rollouts import open_rollouts
+    from treespark_jax.train.parallel import data_mesh, global_batch
     from treespark_jax.train.step import TrainStep, init_state
 
     assert jax.device_count() == 8

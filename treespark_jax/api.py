@@ -20,16 +20,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from treespark_jax.decode.cost_model import cost_model_for, current_device_kind, target_id
+from treespark_jax.decode.cost_store import cost_model_for, current_device_kind, target_id
 from treespark_jax.decode.engine import Engine, GenerationStats, Speculation
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafters import default_method, shipped_drafter
+from treespark_jax.mesh import MeshShape, make_mesh
 from treespark_jax.methods import DEFAULT_BUDGET, drafter_config, recipe, speculation
 from treespark_jax.models.load import Target, load_target
 from treespark_jax.models.presets import DEFAULT_PRESET
-from treespark_jax.models.tokenizer import StreamDecoder
+from treespark_jax.models.stream_decode import StreamDecoder
 from treespark_jax.runtime import enable_compilation_cache
-from treespark_jax.sharding import MeshShape, make_mesh
 
 @dataclasses.dataclass
 class GenerationResult:

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Literal
 
+import jax.numpy as jnp
+
 Family = Literal["llama", "qwen2", "qwen3"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 
@@ -74,8 +76,18 @@ class ModelConfig:
 
 BUILDERS: tuple[str, ...] = ("chain", "marginal", "parent_conditioned", "treespark")
 LOSSES: tuple[str, ...] = ("dflash", "dspark", "treespark")
-"""Drafter training losses (``train/losses.py``), named like the methods whose drafters they train."""
+"""Drafter training losses (``losses/``), named like the methods whose drafters they train."""
 VERIFY_RULES: tuple[str, ...] = ("match", "rejection")
+TREE_RULES: tuple[str, ...] = ("greedy",) + VERIFY_RULES
+"""How a logged tree was verified: ``greedy`` (temp 0), ``match``, ``rejection``."""
+
+
+def tree_temperature(rule: str, temp):
+    """The temperature of a logged tree's target and drafter distributions: the tree's own, or 1
+    where it was verified greedily (rule ``greedy`` or ``temp ≤ 0``), whose targets are argmaxes
+    and whose logsumexp needs a finite temperature. ``temp`` may be a float or an array (per row);
+    the result has its shape."""
+    return jnp.where((jnp.asarray(temp) <= 0) | (rule == "greedy"), 1.0, temp)
 
 
 def default_ladder(budget: int) -> tuple[int, ...]:

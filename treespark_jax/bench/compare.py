@@ -33,7 +33,6 @@ import platform
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
-import jax
 import numpy as np
 
 from treespark_jax.api import TreeSpark

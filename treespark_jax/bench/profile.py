@@ -17,10 +17,11 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from treespark_jax.config import DrafterConfig, TreeConfig, default_layer_ids, default_ladder
+from treespark_jax.config import DrafterConfig, TreeConfig, default_ladder, default_layer_ids
 from treespark_jax.decode.ar import decode_mask
 from treespark_jax.decode.buckets import cache_capacity
-from treespark_jax.decode.cost_model import CostModel, current_device_kind
+from treespark_jax.decode.cost_model import CostModel
+from treespark_jax.decode.cost_store import current_device_kind
 from treespark_jax.drafter.block_proposer import BlockProposer
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafter.proposer import Committed
@@ -242,7 +243,7 @@ def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[in
 
     Args:
       model: the target.
-      target: the target's id (``decode.cost_model.target_id``), recorded in the model.
+      target: the target's id (``decode.cost_store.target_id``), recorded in the model.
       budget: tree budget N; its default ladder and those of its halvings give the rows.
       contexts: ascending context lengths (tokens).
       repeats: timed calls per measurement (after one warm-up call).

@@ -98,7 +98,9 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.bench.compare import check_methods, compare, cpu_model
     from treespark_jax.decode.engine import check_sampling
     from treespark_jax.files import write_text_atomic
-    from treespark_jax.train.prompts import PROMPT_SETS, load_prompts, prompt_ids
+    from treespark_jax.prompts.chat import prompt_ids
+    from treespark_jax.prompts.load import load_prompts
+    from treespark_jax.prompts.sets import PROMPT_SETS
 
     check_methods(methods, budgets)
     check_sampling(args.max_new_tokens, args.temp, 1.0, args.seed)
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> None:
     records = load_prompts(args.prompts, split)[: args.limit]
 
     from treespark_jax.api import load
-    from treespark_jax.decode.cost_model import current_device_kind
+    from treespark_jax.decode.cost_store import current_device_kind
 
     lm = load(target_name(args), args.dtype)
     prompts = [prompt_ids(lm.tokenizer, r) for r in records]

@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.drafter.checkpoint import TargetBinding, read_meta
     from treespark_jax.drafter.model import TargetHead
     from treespark_jax.files import write_text_atomic
+    from treespark_jax.rollouts.reader import open_rollouts
     from treespark_jax.train.evaluate import evaluate_drafter, rollout_batches
-    from treespark_jax.train.rollouts import open_rollouts
 
     for name in ("anchors", "batch"):
         if getattr(args, name) < 1:

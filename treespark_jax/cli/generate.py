@@ -91,7 +91,8 @@ def _stats_json(stats) -> dict:
     return {"new_tokens": stats.new_tokens, "tokens_per_s": stats.tokens_per_s,
             "target_forwards": stats.target_forwards, "compiles": stats.compiles, "prefill_s": stats.prefill_s,
             "decode_s": stats.decode_s, "tau": stats.tau, "tau_per_depth": stats.tau_per_depth,
-            "rung_rounds": stats.rung_rounds, "skipped_rounds": stats.skipped_rounds}
+            "rounds": stats.rounds, "rung_rounds": stats.rung_rounds, "skipped_rounds": stats.skipped_rounds,
+            "skipped_steps": stats.skipped_steps}
 
 
 def _stats_line(stats) -> str:

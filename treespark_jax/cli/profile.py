@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> None:
         a target the loader rejects, or a drafter checkpoint ``load_drafter`` rejects.
     """
     from treespark_jax.bench.profile import check_profile_args, cost_table, parse_contexts, profile_cost
-    from treespark_jax.decode.cost_model import profile_path, save_cost_model, target_id
+    from treespark_jax.decode.cost_store import profile_path, save_cost_model, target_id
     from treespark_jax.drafter.checkpoint import load_drafter
     from treespark_jax.drafters import shipped_drafter
     from treespark_jax.models.load import load_target

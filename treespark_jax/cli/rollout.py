@@ -50,8 +50,9 @@ def run(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from treespark_jax.api import load
-    from treespark_jax.train.prompts import DEFAULT_EVAL_SIZE, PROMPT_SETS, load_prompts
-    from treespark_jax.train.rollout_run import RolloutSettings, write_rollouts
+    from treespark_jax.prompts.load import DEFAULT_EVAL_SIZE, load_prompts
+    from treespark_jax.prompts.sets import PROMPT_SETS
+    from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit {args.limit} must be at least 1.")

@@ -12,7 +12,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser(
         "self-prompts", help="let the target write user turns (training prompts) into a JSONL file",
         description="The instruct target samples user turns from its own chat template at temperature 1 "
-                    "(docs/training.md; train.prompts.self_generated_prompts), seeded per row, and the distinct "
+                    "(docs/training.md; prompts.self_generated), seeded per row, and the distinct "
                     "non-empty ones are written to --out, one {\"id\", \"prompt\", \"seed\", \"finished\"} "
                     "object per line: the format `treespark rollout --prompts FILE.jsonl` reads.")
     add_target_args(sp)
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> None:
 
     from treespark_jax.api import load
     from treespark_jax.files import write_text_atomic
-    from treespark_jax.train.prompts import self_generated_prompts
+    from treespark_jax.prompts.self_generated import self_generated_prompts
 
     for flag, value, low in (("--n", args.n, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--batch-size", args.batch_size, 1), ("--seed", args.seed, 0)):

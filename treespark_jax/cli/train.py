@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="start drafter layer i as a copy of target decoder layer L_i (0-based, one per drafter "
                          "layer) instead of random weights")
     tr.add_argument("--loss-weights", default=None, metavar="K=V,...",
-                    help="loss term weights (train.losses.LossConfig fields), e.g. chain_l1=0.9,tree_coverage=0.5")
+                    help="loss term weights (losses.chain.LossConfig fields), e.g. chain_l1=0.9,tree_coverage=0.5")
     tr.add_argument("--mesh", default=None, metavar="data=N,model=M",
                     help="devices per mesh axis, e.g. data=4,model=2 (default: every device on data); a "
                          "checkpoint resumes on any mesh")
@@ -70,7 +70,7 @@ def parse_loss_weights(text: str | None):
     """
     import dataclasses
 
-    from treespark_jax.train.losses import LossConfig
+    from treespark_jax.losses.chain import LossConfig
 
     if not text:
         return LossConfig()
@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> None:
         loop raises it for an unknown loss, unusable rollouts or a run directory of other settings.
     """
     from treespark_jax.config import TrainConfig
+    from treespark_jax.mesh import maybe_initialize_distributed, parse_mesh
     from treespark_jax.runtime import enable_compilation_cache
-    from treespark_jax.sharding import maybe_initialize_distributed, parse_mesh
     from treespark_jax.train.loop import train
 
     maybe_initialize_distributed()  # before any JAX computation

@@ -13,137 +13,24 @@ capacity. The profiler measures every context in one cache with room for the lon
 round asks for ``max(lengths)``, a traced scalar: ``verify_cost`` and ``draft_cost`` read it by
 interpolation, so one compiled program still serves every context.
 
-**Fit** (``fit_monotone_convex``): for each context the measured latencies are replaced by their
-least-squares projection onto the non-decreasing convex piecewise-linear functions of rows
-(knots at the measured rows). Such a function is ``a + b·(x − x_0) + Σ_k c_k·max(0, x − x_k)``
-with ``b, c_k ≥ 0`` (``b`` the first slope, ``c_k`` the slope increases), so the projection is a
-non-negative least-squares problem in ``(b, c)`` after the free intercept ``a`` is eliminated by
-centring; it is solved exactly by the active-set method of Lawson & Hanson ("Solving Least
-Squares Problems", 1974, ch. 23). Across contexts the fitted curves are then made
-non-decreasing by pooling adjacent violators (``pool_adjacent_violators``): neighbouring
-contexts whose curves cross are replaced by their average, which is again monotone and convex in
-rows; for the draft cost (one value per context) this is exactly isotonic regression. Averaging
-rather than a running maximum matters on a shared machine, where noise only ever inflates a
-latency. Monotone convex costs make the throughput ratio of the cost-aware stop unimodal
-(``tree/verify_size.py``), which the stopping-time rule for sampled trees needs; the stop of a
-deterministic tree, which compares every rung, and draft skipping read the raw medians made
-non-decreasing instead (``measured_verify_cost``).
-
-Storage: JSON at ``cache_root()/profiles/<device kind>/<target id>.json`` (written atomically);
-the default for CPU ships with the package (``decode/cost_default_cpu.json``: the 2-core
-development machine, idle, SmolLM2-135M float32 with its shipped ``treespark`` drafter,
-``treespark profile --budget 32 --contexts 64,256,1024 --repeats 15``).
+The fit is ``decode/cost_fit.py``; profiles are stored and found by ``decode/cost_store.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
-import json
-import logging
-import re
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treespark_jax.assets import cache_root
-from treespark_jax.files import write_text_atomic
-from treespark_jax.typing import Array, Float
+from treespark_jax.decode.cost_fit import fit_monotone_convex, pool_adjacent_violators
 
-logger = logging.getLogger(__name__)
+__all__ = ["FORMAT", "VERSION", "CostModel"]
 
 FORMAT = "treespark-cost-model"
 VERSION = 1
-DEFAULT_FILE = "cost_default_cpu.json"  # package data next to this module
-
-
-# ----------------------------------------------------------------------------------------- fit
-
-
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``argmin_{x ≥ 0} ‖a x − b‖`` by Lawson & Hanson's active-set method (exact, finite steps)."""
-    n = a.shape[1]
-    tol = 1e-12 * max(1.0, float(np.abs(a).max(initial=0.0)) * float(np.abs(b).max(initial=0.0)))
-    x, passive = np.zeros(n), np.zeros(n, bool)
-    for _ in range(3 * n + 3):
-        w = a.T @ (b - a @ x)
-        if passive.all() or w[~passive].max() <= tol:
-            break
-        passive[np.argmax(np.where(passive, -np.inf, w))] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (z[passive] > 0).all():
-                x = z
-                break
-            blocking = passive & (z <= 0)
-            alpha = np.min(x[blocking] / (x[blocking] - z[blocking]))
-            x = x + alpha * (z - x)
-            passive &= x > tol
-            x[~passive] = 0.0
-    return x
-
-
-def fit_monotone_convex(x: Float[Array, "R"], y: Float[Array, "R"]) -> np.ndarray:
-    """Least-squares projection of ``y`` onto non-decreasing convex piecewise-linear functions of ``x``.
-
-    Args:
-      x: ``[R]`` strictly ascending abscissae (e.g. verified rows).
-      y: ``[R]`` measured values (e.g. milliseconds).
-
-    Returns:
-      ``[R]`` float64 fitted values at ``x``: non-decreasing, with non-decreasing slopes, and
-      equal to ``y`` (up to rounding) when ``y`` already has both properties.
-
-    Raises:
-      ValueError: if the shapes differ, ``x`` is not strictly ascending, or a value is not finite.
-    """
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    if x.ndim != 1 or x.shape != y.shape or not (np.isfinite(x).all() and np.isfinite(y).all()):
-        raise ValueError(f"fit needs two finite 1-D arrays of one length; got shapes {x.shape} and {y.shape}.")
-    if np.any(np.diff(x) <= 0):
-        raise ValueError(f"fit abscissae {x.tolist()} must be strictly ascending.")
-    if len(x) < 2:
-        return y.copy()
-    # Hinge basis: first slope, then one slope increase per interior knot; all must be ≥ 0.
-    u = (x - x[0]) / (x[-1] - x[0])  # unit scale keeps the tolerances meaningful
-    basis = np.stack([u] + [np.maximum(0.0, u - k) for k in u[1:-1]], axis=1)
-    centred = basis - basis.mean(axis=0)
-    coef = _nnls(centred, y - y.mean())
-    return y.mean() + centred @ coef
-
-
-def pool_adjacent_violators(table: Float[Array, "C R"]) -> np.ndarray:
-    """Makes the rows of ``table`` elementwise non-decreasing along its first axis by pooling.
-
-    Pool-adjacent-violators over whole vectors: scanning in order, a vector that is below its
-    predecessor anywhere is merged with it into their (size-weighted) average, repeatedly. Every
-    output row is an average of input rows, so properties closed under averaging (monotone,
-    convex) survive. With one column this is the least-squares isotonic regression (Ayer et al.,
-    1955).
-
-    Args:
-      table: ``[C, R]`` float values (or ``[C]``).
-
-    Returns:
-      float64 array of ``table``'s shape, non-decreasing along axis 0.
-    """
-    table = np.asarray(table, np.float64)
-    flat = table.reshape(len(table), -1)
-    blocks: list[list] = []  # [sum of rows, count]
-    for row in flat:
-        blocks.append([row.copy(), 1])
-        while len(blocks) > 1 and np.any(blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]):
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return np.concatenate([np.tile(total / count, (count, 1)) for total, count in blocks]).reshape(table.shape)
-
-
-# --------------------------------------------------------------------------------------- model
 
 
 def _interp(q, grid: tuple[float, ...], table, xp):
@@ -324,8 +211,6 @@ class CostModel:
         return _interp(xp.asarray(context, dtype), tuple(map(float, self.contexts)),
                        xp.asarray(per_context, dtype), xp)
 
-    # ------------------------------------------------------------------------------------ JSON
-
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``format``, ``version`` and every field)."""
         return {"format": FORMAT, "version": VERSION, **dataclasses.asdict(self)}
@@ -345,96 +230,3 @@ class CostModel:
             return cls(**{k: v for k, v in data.items() if k in names})
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source} is malformed: {e}") from None
-
-
-# ------------------------------------------------------------------------------------- storage
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9._-]+", "-", name.strip().lower()).strip("-.") or "unknown"
-
-
-def target_id(name_or_path: str, dtype: str = "float32") -> str:
-    """File-name-safe id of a target in a compute dtype, e.g. ``"smollm2-135m.float32"``.
-
-    A preset name is used as is; a path contributes its file or directory name.
-    """
-    return f"{_slug(Path(name_or_path).name)}.{dtype}"
-
-
-def current_device_kind() -> str:
-    """``device_kind`` of JAX's default device, e.g. ``"cpu"`` or ``"NVIDIA H200"``."""
-    return jax.devices()[0].device_kind
-
-
-def profile_path(device_kind: str, target: str) -> Path:
-    """Where ``treespark profile`` stores the model of ``target`` on ``device_kind``:
-    ``cache_root()/profiles/<device kind>/<target id>.json`` (names made file-name safe)."""
-    return cache_root() / "profiles" / _slug(device_kind) / f"{_slug(target)}.json"
-
-
-def save_cost_model(model: CostModel, path: str | Path) -> Path:
-    """Writes ``model`` as JSON to ``path`` atomically (``files.write_text_atomic``), creating its directory.
-
-    Returns:
-      The path written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_text_atomic(path, json.dumps(model.to_json(), indent=1) + "\n")
-
-
-def load_cost_model(path: str | Path) -> CostModel:
-    """Reads a cost model written by ``save_cost_model``.
-
-    Raises:
-      ValueError: when the file is missing, not JSON, or not a valid cost model (names the file).
-    """
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"cost model file {path} does not exist.") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cost model file {path} cannot be read as JSON ({e}).") from None
-    return CostModel.from_json(data, f"cost model file {path}")
-
-
-def default_cost_model() -> CostModel:
-    """The shipped CPU default (2-core development machine, SmolLM2-135M, float32, budget 32).
-
-    Raises:
-      ValueError: when the package data is missing or corrupt (a broken installation).
-    """
-    text = importlib.resources.files(__package__).joinpath(DEFAULT_FILE).read_text()
-    return CostModel.from_json(json.loads(text), f"shipped {DEFAULT_FILE}")
-
-
-def cost_model_for(device_kind: str | None = None, target: str | None = None) -> CostModel:
-    """The stored profile of ``target`` on ``device_kind``, else the shipped CPU default.
-
-    Without a stored profile the CPU default is returned whatever the device, with a logged
-    warning when the device is not a CPU. On a GPU or TPU its absolute latencies are far too
-    high and its growth with rows far too steep (accelerators verify tens of rows for about the
-    price of one), so the cost-aware stop picks smaller verify sizes than it should; run
-    ``treespark profile`` on the accelerator once to store a real profile.
-
-    Args:
-      device_kind: e.g. ``"cpu"``, ``"NVIDIA H200"``; default: ``current_device_kind()``.
-      target: a ``target_id``; ``None`` returns the shipped default.
-
-    Raises:
-      ValueError: when a stored profile exists but is corrupt (names the file).
-    """
-    device_kind = device_kind or current_device_kind()
-    if target is not None:
-        path = profile_path(device_kind, target)
-        if path.exists():
-            return load_cost_model(path)
-    if _slug(device_kind) != "cpu":
-        logger.warning("no cost profile for %s on %r; using the CPU default (run `treespark profile`).",
-                       target, device_kind)
-    return default_cost_model()
-
-
-DEFAULT_CPU_COST = default_cost_model()

@@ -29,7 +29,8 @@ from jax.sharding import Mesh
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode import buckets, programs
 from treespark_jax.decode.ar import ar_loop, logged_ar_loop
-from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
+from treespark_jax.decode.cost_model import CostModel
+from treespark_jax.decode.cost_store import DEFAULT_CPU_COST
 from treespark_jax.decode.feature_log import FeatureLog, row_features
 from treespark_jax.decode.prefill import prefill
 from treespark_jax.decode.programs import Program
@@ -38,8 +39,9 @@ from treespark_jax.decode.speculative import SpecConfig, SpecState, SpecStats, s
 from treespark_jax.decode.state import GenState, Requests
 from treespark_jax.decode.tree_log import TreeLog, row_trees
 from treespark_jax.drafter.proposer import Proposer
+from treespark_jax.mesh import DATA, batch_sharding
 from treespark_jax.models.decoder import Decoder
-from treespark_jax.sharding import DATA, Partitioner, batch_sharding
+from treespark_jax.sharding import Partitioner
 
 STREAM_CHUNK = 8  # AR steps per host sync when streaming (speculative streams sync per round)
 
@@ -135,6 +137,8 @@ class GenerationStats:
       rounds: verify rounds of drafted trees over all rows (0 for AR).
       skipped_rounds: rounds over all rows that skipped drafting (``decode/skip.py``): target
         steps inside a speculative decode, not counted in ``rounds`` or ``tau``.
+      skipped_steps: target calls of the batch that skipped drafting, so that
+        ``target_forwards == 1 + sum(rung_rounds) + skipped_steps`` at any batch size.
       depth_reached, depth_accepted: the counts behind ``tau_per_depth`` (lists of ints), for
         pooling several calls exactly.
     """
@@ -150,6 +154,7 @@ class GenerationStats:
     rung_rounds: list = dataclasses.field(default_factory=list)
     rounds: int = 0
     skipped_rounds: int = 0
+    skipped_steps: int = 0
     depth_reached: list = dataclasses.field(default_factory=list)
     depth_accepted: list = dataclasses.field(default_factory=list)
 
@@ -218,7 +223,7 @@ class Engine:
       model: the target decoder.
       stop_ids: end-of-sequence ids (the tokenizer's merged stop set).
       cost: the device's cost model for the cost-aware stop (default: the shipped CPU profile).
-      mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``): rows split over ``data``,
+      mesh: a ``("data", "model")`` mesh (``mesh.make_mesh``): rows split over ``data``,
         the target's and drafters' heads and MLP width over ``model``. ``None`` or a one-device
         mesh runs on the default device. Generation is single-process (one host, its devices).
 
@@ -317,7 +322,7 @@ class Engine:
         return state, requests
 
     def _mesh(self):
-        """The mesh as the current one while programs trace (``sharding.data_parallel`` reads it)."""
+        """The mesh as the current one while programs trace (``mesh.data_parallel`` reads it)."""
         return contextlib.nullcontext() if self.layout is None else jax.set_mesh(self.layout.mesh)
 
     def spec_config(self, spec: Speculation, temp: float, log_trees: bool = False) -> SpecConfig:
@@ -471,6 +476,7 @@ def _add_spec_stats(stats: GenerationStats, spec: SpecStats, n_rows: int) -> Non
     stats.tau = (rounds + int(spec.accepted[:n_rows].sum())) / max(rounds, 1)
     stats.rounds = rounds
     stats.skipped_rounds = int(spec.skipped[:n_rows].sum())
+    stats.skipped_steps = int(spec.skipped_steps)
     stats.depth_reached = [int(r) for r in spec.depth_reached[:n_rows].sum(0)]
     stats.depth_accepted = [int(a) for a in spec.depth_accepted[:n_rows].sum(0)]
     stats.tau_per_depth = depth_rates(stats.depth_reached, stats.depth_accepted)

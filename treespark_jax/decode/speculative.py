@@ -23,7 +23,8 @@ from flax import struct
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode.ar import target_step
 from treespark_jax.decode.commit import commit_path
-from treespark_jax.decode.cost_model import DEFAULT_CPU_COST, CostModel
+from treespark_jax.decode.cost_model import CostModel
+from treespark_jax.decode.cost_store import DEFAULT_CPU_COST
 from treespark_jax.decode.skip import SkipState, after_draft, after_skip
 from treespark_jax.decode.state import GenState, Requests, append_tokens
 from treespark_jax.decode.tree_log import TreeLog
@@ -92,6 +93,8 @@ class SpecStats:
       rung_rounds: ``[R]`` int32 rounds that verified each ladder rung.
       skipped: ``[B]`` int32 rounds the row took part in without drafting (draft skipping);
         not counted in ``rounds``.
+      skipped_steps: ``[]`` int32 target calls of the batch that skipped drafting (the
+        decision is one per batch, so each is a round of every row still active).
     """
 
     rounds: Int[Array, "B"]
@@ -100,12 +103,14 @@ class SpecStats:
     depth_accepted: Int[Array, "B D"]
     rung_rounds: Int[Array, "R"]
     skipped: Int[Array, "B"]
+    skipped_steps: Int[Array, ""]
 
     @classmethod
     def zeros(cls, batch: int, max_depth: int, rungs: int) -> "SpecStats":
         z = functools.partial(jnp.zeros, dtype=jnp.int32)
         return cls(rounds=z((batch,)), accepted=z((batch,)), depth_reached=z((batch, max_depth)),
-                   depth_accepted=z((batch, max_depth)), rung_rounds=z((rungs,)), skipped=z((batch,)))
+                   depth_accepted=z((batch, max_depth)), rung_rounds=z((rungs,)), skipped=z((batch,)),
+                   skipped_steps=z(()))
 
 
 @struct.dataclass
@@ -154,7 +159,9 @@ def skipped_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     committed = Committed(tokens=jnp.pad(gen.anchor[:, None], ((0, 0), (0, pad))), n=active.astype(jnp.int32),
                           bonus=token, features=features)
     return state.replace(gen=new_gen, proposer=proposer.update(state.proposer, committed),
-                         stats=state.stats.replace(skipped=state.stats.skipped + active), skip=after_skip(state.skip))
+                         stats=state.stats.replace(skipped=state.stats.skipped + active,
+                                                   skipped_steps=state.stats.skipped_steps + jnp.any(active)),
+                         skip=after_skip(state.skip))
 
 
 def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecState,

@@ -21,12 +21,12 @@ from flax import nnx, struct
 
 from treespark_jax.config import DrafterConfig, ModelConfig
 from treespark_jax.drafter.heads import ConfidenceHead, EdgeHead, MarkovHead, platt_identity_terms
+from treespark_jax.mesh import data_parallel
 from treespark_jax.models.decoder import Decoder, DecoderLayer, layer_param_names
 from treespark_jax.models.kv_cache import KVCache, by_key_width, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import expected_shapes
-from treespark_jax.sharding import data_parallel
 from treespark_jax.tree.proposal import Proposal
 from treespark_jax.typing import Array, Bool, Float, Int
 
@@ -78,7 +78,7 @@ class TargetHead:
         """``(logsumexp(logits / temperature), argmax logits)`` over this head's columns, float32.
 
         What a rollout stores so that training can use a restricted head and still normalise
-        the target's distribution over the whole vocabulary (``train.chain_losses``).
+        the target's distribution over the whole vocabulary (``losses.chain``).
 
         Args:
           hidden: ``[..., D]`` final-norm hidden states.

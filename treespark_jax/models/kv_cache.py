@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from treespark_jax.config import ModelConfig
-from treespark_jax.sharding import data_parallel
+from treespark_jax.mesh import data_parallel
 from treespark_jax.typing import Array, Float, Int
 
 T = TypeVar("T")
@@ -95,7 +95,7 @@ def write_slots(buf: Float[Array, "L B K S E"], layer: int, slots: Int[Array, "B
                 new: Float[Array, "B K T E"]) -> Float[Array, "L B K S E"]:
     """``buf`` with ``new[b, :, t]`` written at ``[layer, b, :, slots[b, t]]`` (slots ≥ S are dropped).
 
-    Row-parallel on a mesh's ``data`` axis (``sharding.data_parallel``): each device writes its
+    Row-parallel on a mesh's ``data`` axis (``mesh.data_parallel``): each device writes its
     own rows, where a plain scatter would all-gather ``new`` over the batch first.
     """
     def write(buf, slots, new):

@@ -33,7 +33,7 @@ class TreeBatch:
       accepted: ``[B, Tr, N]`` bool accepted nodes.
       node_hidden: ``[B, Tr, N + 1, D]`` float32 target final-norm hidden state per verify row.
       node_lse: ``[B, Tr, N + 1]`` float32 whole-vocabulary logsumexp per verify row at the rule's
-        temperature (``rollout_records``).
+        temperature (``rollouts.records``).
       node_top: ``[B, Tr, N + 1]`` int32 the target's argmax token per verify row.
       temp: ``[B, Tr]`` float32 temperature the tree was verified at.
     """
@@ -115,7 +115,7 @@ def _tree_rows(trees: dict[str, Any], length: int, n_trees: int, rng: np.random.
 
 def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anchors: int, n_trees: int = 0,
                        tree_budget: int | None = None, rng: np.random.Generator) -> TrainBatch:
-    """Stacks rollout records (``rollout_records`` fields) into one fixed-shape ``TrainBatch``.
+    """Stacks rollout records (``rollouts.records`` fields) into one fixed-shape ``TrainBatch``.
 
     Args:
       records: decoded rollout records (``B`` of them).

@@ -27,9 +27,9 @@ import jax
 import numpy as np
 
 from treespark_jax.config import TrainConfig
+from treespark_jax.rollouts.reader import RolloutSet
+from treespark_jax.rollouts.records import RolloutError
 from treespark_jax.train.batches import TrainBatch, batch_from_records
-from treespark_jax.train.rollout_reader import RolloutSet
-from treespark_jax.train.rollout_records import RolloutError
 
 __all__ = ["data_iterator", "train_dataset", "tree_layout"]
 

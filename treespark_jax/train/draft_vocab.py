@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from treespark_jax.train.rollout_reader import RolloutSet
+from treespark_jax.rollouts.reader import RolloutSet
 
 
 def token_counts(rollouts: RolloutSet, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -21,8 +21,8 @@ from flax import nnx
 
 from treespark_jax.config import TreeConfig
 from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
+from treespark_jax.losses.chain import chain_acceptance
 from treespark_jax.train.batches import TrainBatch, batch_from_records
-from treespark_jax.train.losses import chain_acceptance
 from treespark_jax.train.objective import gold_chain
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.tree.builders import build_tree

@@ -47,21 +47,22 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from treespark_jax.config import TrainConfig
+from treespark_jax.config import LOSSES, TrainConfig
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter, warm_start
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.files import hold_lock, remove_partials, write_text_atomic
+from treespark_jax.losses.chain import LossConfig
+from treespark_jax.mesh import DATA, MeshShape, make_mesh, process_data_block, replicated
 from treespark_jax.methods import drafter_config
-from treespark_jax.sharding import DATA, MeshShape, Partitioner, make_mesh, process_data_block
+from treespark_jax.rollouts.reader import RolloutSet, open_rollouts
+from treespark_jax.rollouts.store import read_manifest
+from treespark_jax.sharding import Partitioner
 from treespark_jax.train.checkpointing import TrainCheckpoints
 from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab
-from treespark_jax.train.losses import LOSSES, LossConfig
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
 from treespark_jax.train.optim import learning_rate, make_optimizer
-from treespark_jax.train.parallel import global_batch, replicated
-from treespark_jax.train.rollout_reader import RolloutSet, open_rollouts
-from treespark_jax.train.rollout_store import read_manifest
+from treespark_jax.train.parallel import global_batch
 from treespark_jax.train.step import TrainStep, init_state
 
 __all__ = ["TrainResult", "train"]

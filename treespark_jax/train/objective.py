@@ -3,13 +3,13 @@
 Gold-chain anchors and logged-tree anchors of a sequence share one ``BlockDrafter.packed``
 call, so every block is exactly the block inference drafts from that anchor. Targets come
 from the rollout's final-norm hidden states through the target's frozen LM head (``p_t`` of
-slot ``j`` = the row of position ``a + j``, ``chain_losses.align_blocks``). DESIGN.md §1.4.
+slot ``j`` = the row of position ``a + j``, ``losses.chain.align_blocks``). DESIGN.md §1.4.
 
 With a draft head (``TargetHead.restricted`` of a draft vocabulary) the drafter's logits and the
 target's cover the draft vocabulary's ``K`` columns only, as at inference; the target is
 normalised over its whole vocabulary by the logsumexp the rollout stored, labels and tree tokens
 become columns (``K`` for a token outside), and tree nodes outside the columns are left out
-(``chain_losses``' module docstring says what stays exact).
+(``losses.chain``' module docstring says what stays exact).
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from treespark_jax.config import LOSSES
 from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
+from treespark_jax.losses.chain import (LossConfig, align_blocks, chain_acceptance, dflash, dspark, expected_chain_tau,
+                                        markov_logits)
+from treespark_jax.losses.tree import LoggedTrees, tree_child_logits, tree_edge_logits, treespark
 from treespark_jax.train.batches import TrainBatch
-from treespark_jax.train.losses import (LOSSES, LoggedTrees, LossConfig, align_blocks, chain_acceptance,
-                                        dflash, dspark, expected_chain_tau, markov_logits, tree_child_logits,
-                                        tree_edge_logits, treespark)
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.typing import Array, Bool, Float, Int
 

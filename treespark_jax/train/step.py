@@ -28,9 +28,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
-from treespark_jax.sharding import Partitioner, batch_sharding, replicated
+from treespark_jax.losses.chain import LossConfig
+from treespark_jax.mesh import batch_sharding, replicated
+from treespark_jax.sharding import Partitioner
 from treespark_jax.train.batches import TrainBatch
-from treespark_jax.train.losses import LossConfig
 from treespark_jax.train.objective import objective
 
 __all__ = ["TrainStep", "init_state"]

@@ -48,13 +48,6 @@ class Acceptance:
     bonus: Int[Array, "B"]
     accepted: Bool[Array, "B N"]
 
-    @property
-    def last_row(self) -> Int[Array, "B"]:
-        """``[B]`` int32 verification row of the deepest accepted node (0 = the anchor): the row
-        whose distribution the bonus token was drawn from."""
-        last = jnp.take_along_axis(self.path, jnp.maximum(self.n_accepted - 1, 0)[:, None], axis=1)
-        return jnp.where(self.n_accepted > 0, last[:, 0] + 1, 0)
-
 
 def acceptance_from_path(tree: DraftTree, path: Int[Array, "B max_depth"], bonus: Int[Array, "B"]
                          ) -> Acceptance:

@@ -1,13 +1,14 @@
 """Generating rollouts: the target answers prompts, and its features are logged per token.
 
-For each batch of prompts the engine generates the responses (autoregressively, or
-speculatively with a drafter), then **one** causal forward of the target over the batch of
-whole ``prompt + response`` sequences (right-padded to a power-of-two bucket, in the target's
-compute dtype, float32 on CPU) gives every token's selected-layer features and final-norm hidden
-state, stored bfloat16; the LM head over the stored (bfloat16) hidden states gives each row's
-whole-vocabulary logsumexp and argmax (and, for on-policy rollouts, each verify row's, at the
-tree's temperature), which training with a draft vocabulary needs. One batch becomes one shard
-(see :mod:`~treespark_jax.train.rollout_store`).
+For each batch of prompts the engine generates the responses. Autoregressive rollouts log every
+token's selected-layer features and final-norm hidden state from the generation's own forwards
+(``Engine.generate_features``); speculative (on-policy) ones log every verified tree and then take
+the features from **one** causal forward of the target over the batch of whole ``prompt +
+response`` sequences (right-padded to a power-of-two bucket, in the target's compute dtype). Both
+are stored bfloat16. The LM head over the stored hidden states gives each row's whole-vocabulary
+logsumexp and argmax (and, for on-policy rollouts, each verify row's, at the tree's temperature),
+which training with a draft vocabulary needs. One batch becomes one shard (see
+:mod:`~treespark_jax.rollouts.store`).
 
 Only the first user turn of each prompt is answered: MT-Bench's second turns need the model's
 own first answer and are not generated here.
@@ -17,9 +18,10 @@ Seeds: prompt ``(set, id)`` samples with the uint32 seed taken from
 it falls in, on ``--limit`` or on a resume.
 
 Resume: the prompts listed in the directory's finished shards are skipped; the remaining ones
-are batched in their original order. At temperature 0 a resumed run writes the same records as
-an uninterrupted one (batches are formed the same way); at temperature > 0 each row's draws are
-seeded per prompt, so they agree too as long as the engine gives the same batch composition.
+are batched shortest first (``write_rollouts``). At temperature 0 a resumed run writes the same
+records as an uninterrupted one up to the summation order of other batch compositions; at
+temperature > 0 each row's draws are seeded per prompt, so they agree too as long as the engine
+gives the same batch composition.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from treespark_jax.config import default_layer_ids
+from treespark_jax.config import default_layer_ids, tree_temperature
 from treespark_jax.decode import buckets
 from treespark_jax.decode.engine import Engine, Speculation, check_sampling
 from treespark_jax.decode.prefill import prefill_mask
@@ -45,10 +47,10 @@ from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
-from treespark_jax.train.prompt_sets import PromptRecord
-from treespark_jax.train.prompts import prompt_ids
-from treespark_jax.train.rollout_records import FEATURE_DTYPE, TreeLog, make_record
-from treespark_jax.train.rollout_store import RolloutWriter
+from treespark_jax.prompts.chat import prompt_ids
+from treespark_jax.prompts.sets import PromptRecord
+from treespark_jax.rollouts.records import FEATURE_DTYPE, StoredTrees, make_record
+from treespark_jax.rollouts.store import RolloutWriter
 
 __all__ = ["RolloutRun", "RolloutSettings", "prompt_seed", "record_arrays", "record_normalisers", "target_features",
            "target_normalisers", "write_rollouts"]
@@ -208,12 +210,11 @@ def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], starts: S
     return out
 
 
-def tree_log(log: dict[str, np.ndarray], head: TargetHead, rule: str, temp: float) -> TreeLog:
+def tree_log(log: dict[str, np.ndarray], head: TargetHead, rule: str, temp: float) -> StoredTrees:
     """A row's logged trees (``Engine.generate_logged``) with each verify row's normaliser added."""
     hidden = np.asarray(log["node_hidden"]).astype(FEATURE_DTYPE)  # as stored
-    warm = 1.0 if rule == "greedy" or temp <= 0 else temp
-    lse, top = target_normalisers(head, hidden.reshape(-1, hidden.shape[-1]), warm)
-    return TreeLog(**log, node_lse=lse.reshape(hidden.shape[:2]), node_top=top.reshape(hidden.shape[:2]), rule=rule,
+    lse, top = target_normalisers(head, hidden.reshape(-1, hidden.shape[-1]), float(tree_temperature(rule, temp)))
+    return StoredTrees(**log, node_lse=lse.reshape(hidden.shape[:2]), node_top=top.reshape(hidden.shape[:2]), rule=rule,
                    temp=temp)
 
 

@@ -21,7 +21,7 @@ Distributions: at temperature ``temp`` of the logged tree (both ``p_u`` and ``q(
 ``1/temp``, so ``q = p`` is optimal at every temperature; top-p is not applied, rollouts are
 logged with ``top_p = 1``); the greedy rule and trees with ``temp ≤ 0`` use temperature 1
 (only their ``y_u = one-hot argmax`` depends on the rule). On the drafter's logit columns, as on
-the chain (``chain_losses``): the whole vocabulary, or a draft vocabulary with the target
+the chain (``losses.chain``): the whole vocabulary, or a draft vocabulary with the target
 normalised over the whole one by the logsumexp the rollout stored for the tree's temperature,
 so ``p_u`` on the columns, its tail mass, the argmax and every reach weight are exact. A node
 whose token lies outside the columns cannot be drafted by this drafter: the caller marks it
@@ -36,16 +36,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from treespark_jax.config import VERIFY_RULES
-from treespark_jax.train.chain_losses import (LossConfig, as_float, binary_cross_entropy, dspark,
-                                              l1_distance, target_log_probs, weighted_mean)
+from treespark_jax.config import TREE_RULES, tree_temperature
+from treespark_jax.losses.chain import (LossConfig, as_float, binary_cross_entropy, dspark, l1_distance,
+                                        target_log_probs, weighted_mean)
 from treespark_jax.tree.accept_rejection import node_rejection
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.typing import Array, Bool, Float, Int
-
-TREE_RULES: tuple[str, ...] = ("greedy",) + VERIFY_RULES
-"""How a logged tree was verified: ``greedy`` (temp 0), ``match``, ``rejection``."""
-
 
 @struct.dataclass
 class LoggedTrees:
@@ -219,7 +215,7 @@ def verify_targets(child_logits: Float[Array, "Tr R V"], trees: LoggedTrees, rul
     one_hot = jax.nn.one_hot(top, target.shape[-1], dtype=target.dtype)  # all 0 for an argmax outside
     temp = jnp.broadcast_to(jnp.asarray(trees.temp, target.dtype), target.shape[:1])
     greedy_rows = (temp <= 0) | (rule == "greedy")
-    warm = jnp.where(greedy_rows, 1, temp)[:, None, None]
+    warm = tree_temperature(rule, temp).astype(target.dtype)[:, None, None]
     log_p, tail = target_log_probs(target / warm, trees.target_lse)
     log_q = jax.nn.log_softmax(logits / warm, axis=-1)
     if rule == "greedy":
@@ -316,7 +312,7 @@ def treespark(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P 
               ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """TreeSpark loss: ``dspark`` on the gold chain plus ``tree_terms`` on logged verified trees.
 
-    Args: those of ``chain_losses.dspark`` (gold chain, ``[B, P, …]``, ``target_lse``) and of
+    Args: those of ``losses.chain.dspark`` (gold chain, ``[B, P, …]``, ``target_lse``) and of
     ``tree_terms`` (``Tr`` trees verified with the static ``rule``).
 
     Returns:

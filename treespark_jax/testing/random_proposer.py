@@ -10,8 +10,8 @@ import dataclasses
 
 import jax
 
+from treespark_jax.testing.random_proposal import random_proposal
 from treespark_jax.tree.proposal import Proposal
-from treespark_jax.tree.random_proposal import random_proposal
 
 
 @dataclasses.dataclass(frozen=True)

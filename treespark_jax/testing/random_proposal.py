@@ -1,4 +1,4 @@
-"""A randomly initialised Proposal: the ``random`` proposer, and test input for builders/verifiers."""
+"""A randomly drawn Proposal: the ``random`` proposer's draws, and test input for builders and verifiers."""
 
 from __future__ import annotations
 

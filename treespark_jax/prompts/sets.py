@@ -13,13 +13,13 @@ set           count  source (package, member)
 ============  =====  ==========================================================================
 
 Prompt formats (the user text; the chat template of the target is applied later, see
-:func:`treespark_jax.train.prompts.prompt_ids`). All wrapper text lives in :data:`WRAPPERS`:
+:func:`treespark_jax.prompts.chat.prompt_ids`). All wrapper text lives in :data:`WRAPPERS`:
 
 - HumanEval: the "complete this function" wrapper around the task's prompt code.
 - GSM8K: the "solve step by step" wrapper around the question.
 - MT-Bench: the two turns exactly as written, no wrapper. The second turn is meant to be fed
   after the model's *own* answer to the first, so only the two user texts are stored; the
-  conversation is assembled at generation time (:func:`treespark_jax.train.prompts.messages`).
+  conversation is assembled at generation time (:func:`treespark_jax.prompts.chat.messages`).
 
 Record ids are stable: HumanEval's ``task_id`` (``"HumanEval/0"``), ``"gsm8k/<line>"`` (0-based
 line of the pinned file, which has no ids of its own) and ``"mtbench/<question_id>"``.

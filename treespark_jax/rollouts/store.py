@@ -8,7 +8,7 @@ Layout of a rollout directory::
     <dir>/.shard-00002.array_record.tmp   (only while a shard is being written)
 
 Shards are ArrayRecord files (``group_size:1``, the layout Grain's random access wants), one
-record per prompt (bytes of :func:`~treespark_jax.train.rollout_records.encode_record`), so
+record per prompt (bytes of :func:`~treespark_jax.rollouts.records.encode_record`), so
 ``grain.sources.ArrayRecordDataSource`` reads them natively. A shard is written under a hidden
 temporary name and renamed when complete; only then is it listed in the manifest, with its
 record count, byte size, sha256 and prompt ids. A listed shard is therefore complete, and any
@@ -44,7 +44,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from treespark_jax.files import hold_lock, remove_partials, sha256_files, write_text_atomic
-from treespark_jax.train.rollout_records import RolloutError, encode_record
+from treespark_jax.rollouts.records import RolloutError, encode_record
 
 __all__ = ["MANIFEST", "RolloutWriter", "read_manifest", "shard_problem"]
 

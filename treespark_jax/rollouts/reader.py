@@ -2,7 +2,7 @@
 
 Opening validates every manifest and shard up front (a damaged shard is an error, never
 skipped); records are then read and decoded on demand. Layout and format:
-:mod:`~treespark_jax.train.rollout_store` and :mod:`~treespark_jax.train.rollout_records`.
+:mod:`~treespark_jax.rollouts.store` and :mod:`~treespark_jax.rollouts.records`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from treespark_jax.drafter.checkpoint import TargetBinding
-from treespark_jax.train.rollout_records import RolloutError, decode_record
-from treespark_jax.train.rollout_store import COMPARED, prompt_tokens, read_manifest, shard_problem
+from treespark_jax.rollouts.records import RolloutError, decode_record
+from treespark_jax.rollouts.store import COMPARED, prompt_tokens, read_manifest, shard_problem
 
 __all__ = ["RolloutSet", "open_rollouts"]
 
@@ -41,7 +41,7 @@ class RolloutSet:
 
     ``len(rs)`` is the number of records; ``rs[i]`` the ``i``-th record (directories in the
     given order, shards in manifest order) as the dict described in
-    :mod:`~treespark_jax.train.rollout_records` (read-only numpy arrays). It satisfies Grain's
+    :mod:`~treespark_jax.rollouts.records` (read-only numpy arrays). It satisfies Grain's
     ``RandomAccessDataSource`` protocol (``__len__``, ``__getitem__``, ``__getitems__``), so
     ``grain.MapDataset.source(rs)`` shuffles, shards per process and batches it; it pickles
     for Grain's worker processes.

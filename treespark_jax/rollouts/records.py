@@ -53,11 +53,12 @@ import ml_dtypes
 import numpy as np
 from flax import serialization
 
-__all__ = ["FEATURE_DTYPE", "RECORD_FIELDS", "TREE_RULES", "RolloutError", "TreeLog", "decode_record",
+from treespark_jax.config import TREE_RULES
+
+__all__ = ["FEATURE_DTYPE", "RECORD_FIELDS", "RolloutError", "StoredTrees", "decode_record",
            "encode_record", "make_record"]
 
 FEATURE_DTYPE = np.dtype(ml_dtypes.bfloat16)
-TREE_RULES = ("greedy", "match", "rejection")
 RECORD_FIELDS = ("tokens", "loss_mask", "features", "hidden", "target_lse", "target_top", "prompt_set",
                  "prompt_id", "seed", "temp", "top_p", "finished")
 _TREE_INT_FIELDS = ("tokens", "parents", "depths", "sibling_rank")
@@ -68,7 +69,7 @@ class RolloutError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeLog:
+class StoredTrees:
     """Every tree verified while generating one record (fields as in the module docstring)."""
 
     anchor_pos: np.ndarray
@@ -95,7 +96,7 @@ class TreeLog:
         return out
 
     @classmethod
-    def from_dict(cls, trees: dict[str, Any]) -> TreeLog:
+    def from_dict(cls, trees: dict[str, Any]) -> StoredTrees:
         """The inverse of ``to_dict``."""
         return cls(**{f.name: trees[f.name] for f in dataclasses.fields(cls)})
 
@@ -136,7 +137,7 @@ class TreeLog:
 
 def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_top, *, prompt_set: str,
                 prompt_id: str, seed: int, temp: float, top_p: float, finished: bool,
-                trees: TreeLog | None = None) -> dict[str, Any]:
+                trees: StoredTrees | None = None) -> dict[str, Any]:
     """Builds and checks one record.
 
     Args:
