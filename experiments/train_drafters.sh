@@ -9,7 +9,8 @@
 #      on-policy trees
 #      (of the $ONPOLICY sets; plain rollouts of the others, whose tree slots stay empty)
 #   5. offline evaluation of all three on the held-out (eval) split
-#   (ablate: treespark loss-term ablation for experiments/RESULTS.md; not in the default stages)
+#   (ablate: treespark loss-term ablation for experiments/RESULTS.md; iterate: the iterated on-policy loop with
+#    its no-tree-terms controls, two seeds; neither is in the default stages)
 #   6. export: the three drafters in bfloat16 into treespark_jax/drafters/smollm2-135m/ (shipped with
 #      the package)
 # Every stage resumes where it stopped when the script is run again (rollouts skip finished
@@ -102,6 +103,58 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
       ${w:+--loss-weights "$w"} --out "$DATA/ablate-$name"
     $T eval-drafter --drafter "$DATA/ablate-$name/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
       --budget "$BUDGET" --json-out "$DATA/ablate-$name/eval.json"
+  done
+}
+
+# The iterated loop of DESIGN.md §1.4 ("learning to draft the trees you verify"), ROUNDS rounds. Round r:
+#   1. on-policy rollouts of ITER_LIMIT GSM8K training prompts (a new window each round) with the round's
+#      start drafter (round 1: the treespark stage's drafter; then round r-1's seed-0 treespark drafter),
+#      every verified tree logged;
+#   2. for each seed in ITER_SEEDS, ITER_STEPS steps of `treespark` training from the start drafter on those
+#      trees (plus the plain rollouts of the other sets), and the control: the same steps, data, seed and
+#      start with every tree term off;
+#   3. offline τ (eval-drafter on the three eval splits) and online τ at equal budget (bench, GSM8K eval
+#      prompts, every round drafted and the whole budget verified) of each.
+# Outputs: $DATA/iter-r<r>/{onpolicy,<variant>-s<seed>/{drafter,eval.json,bench.json}}; the RESULTS.md table is
+# rendered from them (experiments/results.py).
+ROUNDS=${ROUNDS:-2}
+ITER_LIMIT=${ITER_LIMIT:-128}   # GSM8K training prompts per round's on-policy rollouts
+ITER_STEPS=${ITER_STEPS:-600}   # steps per round and variant
+ITER_SEEDS=${ITER_SEEDS:-"0 1"}
+ITER_BENCH=${ITER_BENCH:-16}    # GSM8K eval prompts of the online τ
+stage_iterate() {
+  local start="$DATA/treespark/drafter"
+  for r in $(seq 1 "$ROUNDS"); do
+    local dir="$DATA/iter-r$r"
+    mkdir -p "$dir"
+    $PY - "$dir/prompts.jsonl" "$(( (r - 1) * ITER_LIMIT ))" "$ITER_LIMIT" <<'PY'
+import json, sys
+from pathlib import Path
+from treespark_jax.prompts.load import load_prompts
+
+out, offset, limit = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+if not out.exists():  # the round's window of GSM8K training prompts, as written (one user turn each)
+    recs = load_prompts("gsm8k", "train")[offset: offset + limit]
+    out.write_text("".join(json.dumps({"id": r.id, "prompt": r.turns[0]}) + "\n" for r in recs))
+PY
+    $T rollout --prompts "$dir/prompts.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
+      --drafter "$start" --method treespark --budget "$BUDGET" --out "$dir/onpolicy"
+    local others="$DATA/rollouts-humaneval-train $DATA/rollouts-mtbench-train $(self_rollouts)"
+    for seed in $ITER_SEEDS; do
+      for variant in treespark control; do
+        local run="$dir/$variant-s$seed" weights=""
+        [ "$variant" = control ] && weights="--loss-weights $NO_TREE_TERMS"
+        $T train --rollouts "$dir/onpolicy" $others --loss treespark --trees 4 --init "$start" --seed "$seed" \
+          --steps "$ITER_STEPS" --batch "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
+          --log-every 10 $weights --out "$run"
+        $T eval-drafter --drafter "$run/drafter" --rollouts $(plain eval) --method treespark --budget "$BUDGET" \
+          --json-out "$run/eval.json"
+        $T bench --prompts gsm8k --split eval --limit "$ITER_BENCH" --methods ar,treespark --budgets "$BUDGET" \
+          --drafter "treespark=$run/drafter" --no-skip-drafting --no-cost-aware-stop --repeats 1 \
+          --json-out "$run/bench.json"
+      done
+    done
+    start="$dir/treespark-s0/drafter"
   done
 }
 

@@ -418,6 +418,11 @@ def test_cli_eval_drafter_reports_offline_chain_and_tree_tau(tmp_path, baseline,
     result = json.loads(out.read_text())
     assert result["blocks"] > 0 and 1 <= result["chain_tau"] <= 5 and 1 <= result["tree_tau"] <= 5
     assert len(result["alpha"]) == 4 and "tree τ" in capsys.readouterr().out
+    # Edge calibration: every accepted edge is a node of the gold prefixes behind tree τ.
+    accepted = np.asarray(result["calibration"]["accepted"])
+    assert accepted.shape == (4, result["calibration"]["bins"])
+    np.testing.assert_allclose(accepted.sum(), result["blocks"] * (result["tree_tau"] - 1), rtol=1e-5)
+    assert (accepted <= np.asarray(result["calibration"]["count"])).all()
     assert main(["eval-drafter", "--drafter", str(path), "--rollouts", str(tmp_path / "nothing")]) == 2
     assert "nothing" in capsys.readouterr().err
 

@@ -6,7 +6,14 @@
   builder's tree contains, i.e. the τ greedy verification of that tree would give, because the
   gold tokens of a temp-0 rollout are the target's argmax tokens.
 
-Both are pooled over the anchors of every batch (each anchor's first label is a response token).
+- Edge calibration (greedy rollouts): for every node whose parent is on the gold path (the
+  anchor, or an accepted node), the survival probability the builder gave its edge,
+  ``exp(score(node) − score(parent))``, against whether greedy verification accepts it (its
+  token is the gold token). Counted per depth in ``CALIBRATION_BINS`` equal-width bins of the
+  prediction: the data of a reliability diagram (``experiments/edge_calibration.py``), and what
+  the cost-aware stop relies on (docs/cost_model.md).
+
+All are pooled over the anchors of every batch (each anchor's first label is a response token).
 """
 
 from __future__ import annotations
@@ -29,8 +36,12 @@ from treespark_jax.tree.builders import build_tree
 from treespark_jax.typing import Array, Bool, Int
 
 
-def gold_prefix_in_tree(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Array, "K P"]) -> Int[Array, "K"]:
-    """Length of the longest gold prefix the tree contains (0..max_depth) per row.
+CALIBRATION_BINS = 10
+"""Equal-width bins of predicted edge survival in the edge calibration counts."""
+
+
+def gold_path_nodes(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Array, "K P"]) -> Bool[Array, "K N"]:
+    """Which nodes lie on the gold path (the path greedy verification accepts).
 
     A node is on the gold path when its token is the gold token of its depth, that token is a
     real label (``gold_ok``), and its parent is the anchor or on the gold path. Parents precede
@@ -42,13 +53,11 @@ def gold_prefix_in_tree(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[
       gold_ok: ``[K, P]`` bool the label exists (inside the rollout's response).
 
     Returns:
-      ``[K]`` int32.
+      ``[K, N]`` bool.
     """
     tree = jax.tree.map(jnp.asarray, tree)
     k, n = tree.tokens.shape
-    depth_ix = jnp.clip(tree.depths - 1, 0, gold.shape[1] - 1)
-    hit = (tree.valid & (jnp.take_along_axis(gold, depth_ix, 1) == tree.tokens)
-           & jnp.take_along_axis(gold_ok, depth_ix, 1))
+    hit = _gold_hits(tree, gold, gold_ok)
     rows = jnp.arange(k)
 
     def step(i, on_path):
@@ -56,8 +65,54 @@ def gold_prefix_in_tree(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[
         parent_ok = (parent < 0) | on_path[rows, jnp.maximum(parent, 0)]
         return on_path.at[:, i].set(hit[:, i] & parent_ok)
 
-    on_path = jax.lax.fori_loop(0, n, step, jnp.zeros((k, n), bool))
-    return jnp.max(jnp.where(on_path, tree.depths, 0), axis=1)
+    return jax.lax.fori_loop(0, n, step, jnp.zeros((k, n), bool))
+
+
+def _gold_hits(tree: DraftTree, gold, gold_ok):
+    """``[K, N]`` the node is valid and its token is the (real) gold token of its depth."""
+    depth_ix = jnp.clip(tree.depths - 1, 0, gold.shape[1] - 1)
+    return (tree.valid & (jnp.take_along_axis(gold, depth_ix, 1) == tree.tokens)
+            & jnp.take_along_axis(gold_ok, depth_ix, 1))
+
+
+def gold_prefix_in_tree(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Array, "K P"]) -> Int[Array, "K"]:
+    """Length of the longest gold prefix the tree contains (0..max_depth) per row
+    (``gold_path_nodes``; arguments as there). Returns ``[K]`` int32."""
+    on_path = gold_path_nodes(tree, gold, gold_ok)
+    return jnp.max(jnp.where(on_path, jnp.asarray(tree.depths), 0), axis=1)
+
+
+def edge_calibration(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Array, "K P"],
+                     used: Bool[Array, "K"]) -> tuple[Array, Array, Array]:
+    """Sums for a reliability diagram of the builder's edge survival (module docstring).
+
+    Counts only nodes whose parent is accepted (the anchor, or a node on the gold path) and
+    whose gold label exists, in rows that are ``used``.
+
+    Returns:
+      ``(count, predicted, accepted)``, each ``[max_depth, CALIBRATION_BINS]`` float: nodes per
+      (depth, bin of predicted survival), their summed prediction and their summed acceptance.
+    """
+    tree = jax.tree.map(jnp.asarray, tree)
+    on_path = gold_path_nodes(tree, gold, gold_ok)
+    hit = _gold_hits(tree, gold, gold_ok)
+    parent = jnp.maximum(tree.parents, 0)
+    parent_score = jnp.where(tree.parents < 0, 0.0, jnp.take_along_axis(tree.score, parent, 1))
+    parent_ok = (tree.parents < 0) | jnp.take_along_axis(on_path, parent, 1)
+    depth_ix = jnp.clip(tree.depths - 1, 0, gold.shape[1] - 1)
+    counted = (tree.valid & parent_ok & used[:, None] & jnp.take_along_axis(gold_ok, depth_ix, 1)
+               & (tree.depths >= 1))
+    predicted = jnp.where(counted, jnp.exp(tree.score - parent_score), 0.0)
+    bins = jnp.clip((predicted * CALIBRATION_BINS).astype(jnp.int32), 0, CALIBRATION_BINS - 1)
+    max_depth = gold.shape[1]
+    flat = jnp.clip(tree.depths - 1, 0, max_depth - 1) * CALIBRATION_BINS + bins
+    size = max_depth * CALIBRATION_BINS
+
+    def total(values):
+        return jnp.zeros(size, jnp.float32).at[flat.reshape(-1)].add(
+            jnp.where(counted, values, 0).reshape(-1).astype(jnp.float32)).reshape(max_depth, CALIBRATION_BINS)
+
+    return total(jnp.ones_like(predicted)), total(predicted), total(hit.astype(predicted.dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tree_cfg"))
@@ -72,6 +127,7 @@ def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_c
     survive = jnp.cumprod(jnp.where(chain.mask, alpha, 0), axis=-1)
     chain_tau = jnp.sum(jnp.where(used, 1 + jnp.sum(survive, -1), 0))
     tree_tau = jnp.zeros(())
+    calibration = None
     if tree_cfg is not None:
         flat = DrafterOutput(hidden=out.hidden.reshape(-1, *out.hidden.shape[2:]),
                              logits=out.logits.reshape(-1, *out.logits.shape[2:]))
@@ -79,8 +135,9 @@ def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_c
         tree = build_tree(proposal, chain.prev_tokens[:, 0], tree_cfg, temp=0.0, top_p=1.0, sample=False)
         accepted = gold_prefix_in_tree(tree, chain.gold, chain.mask)
         tree_tau = jnp.sum(jnp.where(used, 1 + accepted, 0))
+        calibration = edge_calibration(tree, chain.gold, chain.mask, used)
     w = chain.mask.astype(alpha.dtype)
-    return jnp.sum(used), chain_tau, tree_tau, jnp.sum(alpha * w, 0), jnp.sum(w, 0)
+    return jnp.sum(used), chain_tau, tree_tau, jnp.sum(alpha * w, 0), jnp.sum(w, 0), calibration
 
 
 def evaluate_drafter(drafter: BlockDrafter, head: TargetHead, batches: Iterable[TrainBatch],
@@ -96,7 +153,9 @@ def evaluate_drafter(drafter: BlockDrafter, head: TargetHead, batches: Iterable[
         greedy (temp 0) rollouts only.
 
     Returns:
-      ``{"blocks", "chain_tau", "tree_tau" (None without a tree), "alpha" [P] list}``.
+      ``{"blocks", "chain_tau", "tree_tau" (None without a tree), "alpha" [P] list,
+      "calibration"}``; ``calibration`` is ``None`` without a tree, else ``{"bins", "count",
+      "predicted", "accepted"}`` with ``[P][bins]`` lists (``edge_calibration``, pooled).
 
     Raises:
       ValueError: when no batch holds an anchor (nothing to evaluate).
@@ -104,15 +163,21 @@ def evaluate_drafter(drafter: BlockDrafter, head: TargetHead, batches: Iterable[
     graphdef, params = nnx.split(drafter)
     blocks = chain = tree_sum = 0.0
     alpha = count = 0.0
+    calibration = None
     for batch in batches:
         sums = jax.device_get(_batch_sums(graphdef, params, head, jax.tree.map(jnp.asarray, batch), tree_cfg=tree))
         blocks, chain, tree_sum = blocks + sums[0], chain + sums[1], tree_sum + sums[2]
         alpha, count = alpha + sums[3], count + sums[4]
+        if sums[5] is not None:
+            calibration = sums[5] if calibration is None else tuple(a + b for a, b in zip(calibration, sums[5]))
     if not blocks:
         raise ValueError("the rollouts hold no anchor with a response label; nothing to evaluate.")
     return {"blocks": int(blocks), "chain_tau": float(chain / blocks),
             "tree_tau": float(tree_sum / blocks) if tree is not None else None,
-            "alpha": (np.asarray(alpha) / np.maximum(np.asarray(count), 1)).tolist()}
+            "alpha": (np.asarray(alpha) / np.maximum(np.asarray(count), 1)).tolist(),
+            "calibration": None if calibration is None else {
+                "bins": CALIBRATION_BINS, **{k: np.asarray(v).tolist()
+                                             for k, v in zip(("count", "predicted", "accepted"), calibration)}}}
 
 
 def rollout_batches(rollouts, *, batch: int, n_anchors: int, seed: int = 0) -> Iterable[TrainBatch]:
