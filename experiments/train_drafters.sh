@@ -50,7 +50,8 @@ stage_rollouts() {
   done
   if [ "$SELF" -gt 0 ]; then
     # the prompt file is written once (seeded, so a re-run would write the same); its rollouts resume
-    [ -f "$DATA/self-prompts-$SELF.jsonl" ] || $T self-prompts --n "$SELF" --seed 0 --out "$DATA/self-prompts-$SELF.jsonl"
+    [ -f "$DATA/self-prompts-$SELF.jsonl" ] || $T self-prompts --n "$SELF" --seed 0 --batch-size "$RBATCH" \
+      --out "$DATA/self-prompts-$SELF.jsonl"
     $T rollout --prompts "$DATA/self-prompts-$SELF.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
       --out "$(self_rollouts)"
   fi
