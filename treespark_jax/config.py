@@ -82,12 +82,18 @@ TREE_RULES: tuple[str, ...] = ("greedy",) + VERIFY_RULES
 """How a logged tree was verified: ``greedy`` (temp 0), ``match``, ``rejection``."""
 
 
+def greedy_tree(rule: str, temp):
+    """Whether a logged tree was verified greedily: rule ``greedy`` or ``temp ≤ 0`` (a float or a
+    per-row array; the result has its shape)."""
+    return (jnp.asarray(temp) <= 0) | (rule == "greedy")
+
+
 def tree_temperature(rule: str, temp):
     """The temperature of a logged tree's target and drafter distributions: the tree's own, or 1
     where it was verified greedily (rule ``greedy`` or ``temp ≤ 0``), whose targets are argmaxes
     and whose logsumexp needs a finite temperature. ``temp`` may be a float or an array (per row);
     the result has its shape."""
-    return jnp.where((jnp.asarray(temp) <= 0) | (rule == "greedy"), 1.0, temp)
+    return jnp.where(greedy_tree(rule, temp), 1.0, temp)
 
 
 def default_ladder(budget: int) -> tuple[int, ...]:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from treespark_jax.config import TREE_RULES, tree_temperature
+from treespark_jax.config import TREE_RULES, greedy_tree, tree_temperature
 from treespark_jax.losses.chain import (LossConfig, as_float, binary_cross_entropy, dspark, l1_distance,
                                         target_log_probs, weighted_mean)
 from treespark_jax.tree.accept_rejection import node_rejection
@@ -214,7 +214,7 @@ def verify_targets(child_logits: Float[Array, "Tr R V"], trees: LoggedTrees, rul
     greedy_edge = greedy_edges(tree, columns, top, target.dtype)
     one_hot = jax.nn.one_hot(top, target.shape[-1], dtype=target.dtype)  # all 0 for an argmax outside
     temp = jnp.broadcast_to(jnp.asarray(trees.temp, target.dtype), target.shape[:1])
-    greedy_rows = (temp <= 0) | (rule == "greedy")
+    greedy_rows = greedy_tree(rule, temp)
     warm = tree_temperature(rule, temp).astype(target.dtype)[:, None, None]
     log_p, tail = target_log_probs(target / warm, trees.target_lse)
     log_q = jax.nn.log_softmax(logits / warm, axis=-1)
