@@ -24,16 +24,16 @@ from treespark_jax.config import BUILDERS, TreeConfig
 from treespark_jax.testing.random_proposal import random_proposal
 from treespark_jax.tree.builders import build_tree
 
-MODES = {  # name: (temp, top_p, sample)
-    "greedy": (0.0, 1.0, False),
-    "match": (1.0, 1.0, False),
-    "match top-p 0.9": (1.0, 0.9, False),
-    "rejection": (1.0, 1.0, True),
-    "rejection top-p 0.9": (1.0, 0.9, True),
+MODES = {  # name: (verify rule, temp, top_p)
+    "greedy": ("greedy", 1.0, 1.0),
+    "match": ("match", 1.0, 1.0),
+    "match top-p 0.9": ("match", 1.0, 0.9),
+    "rejection": ("rejection", 1.0, 1.0),
+    "rejection top-p 0.9": ("rejection", 1.0, 0.9),
 }
 
 
-def per_build_ms(proposal, cfg: TreeConfig, temp: float, top_p: float, sample: bool, inner: int,
+def per_build_ms(proposal, cfg: TreeConfig, rule: str, temp: float, top_p: float, inner: int,
                  repeats: int) -> tuple[list[float], float]:
     """Per-build times (ms) of ``repeats`` calls, and the compile time (s)."""
     keys = jax.random.split(jax.random.key(1), 1)
@@ -41,8 +41,8 @@ def per_build_ms(proposal, cfg: TreeConfig, temp: float, top_p: float, sample: b
     @jax.jit
     def builds(proposal, keys):
         def one(total, i):
-            tree = build_tree(proposal, jnp.full(1, i, jnp.int32), cfg, temp=jnp.full(1, temp),
-                              top_p=jnp.full(1, top_p), sample=sample,
+            tree = build_tree(proposal, jnp.full(1, i, jnp.int32), cfg, rule=rule, temp=jnp.full(1, temp),
+                              top_p=jnp.full(1, top_p),
                               keys=jax.vmap(lambda k: jax.random.fold_in(k, i))(keys))
             return total + tree.tokens.sum(), None
         return jax.lax.scan(one, jnp.zeros((), jnp.int32), jnp.arange(inner))[0]
@@ -73,11 +73,11 @@ def main() -> None:
     print(f"{'builder':<20}{'mode':<22}" + "".join(f"{'N=' + str(n):>9}" for n in args.budgets) + "  (ms per build)")
     for builder in args.builders:
         for mode in args.modes:
-            temp, top_p, sample = MODES[mode]
+            rule, temp, top_p = MODES[mode]
             row = []
             for budget in args.budgets:
                 cfg = TreeConfig(budget=budget, max_depth=8, branch=4, builder=builder)
-                times, compile_s = per_build_ms(proposal, cfg, temp, top_p, sample, args.inner, args.repeats)
+                times, compile_s = per_build_ms(proposal, cfg, rule, temp, top_p, args.inner, args.repeats)
                 row.append(float(np.median(times)))
                 results.append(dict(builder=builder, mode=mode, budget=budget, median_ms=row[-1],
                                     p25_ms=float(np.percentile(times, 25)),

@@ -103,7 +103,7 @@ def logits_with_argmax(top: np.ndarray, vocab: int, rng: np.random.Generator) ->
     return jnp.asarray(logits)
 
 
-greedy_jit = jax.jit(functools.partial(accept, greedy=True, rule="match"), static_argnames="max_depth")
+greedy_jit = jax.jit(functools.partial(accept, rule="greedy"), static_argnames="max_depth")
 
 
 def test_greedy_hand_built_trees():
@@ -407,20 +407,20 @@ def sample_trees(rng, n, temp, top_p):
 TRACES = collections.Counter()
 
 
-@functools.partial(jax.jit, static_argnames=("greedy", "rule"))
-def verify(tree, logits, keys, temp, top_p, proposal, anchor, greedy, rule):
-    """The dispatcher under jit, counting its traces per (greedy, rule, tree shape)."""
-    TRACES[(greedy, rule, tree.tokens.shape)] += 1
-    return accept(tree, logits, greedy=greedy, rule=rule, max_depth=MAX_DEPTH, sampled=True, keys=keys,
-                  temp=temp, top_p=top_p, proposal=proposal, anchor=anchor, branch=2)
+@functools.partial(jax.jit, static_argnames=("rule",))
+def verify(tree, logits, keys, temp, top_p, proposal, anchor, rule):
+    """The dispatcher under jit, counting its traces per (rule, tree shape)."""
+    TRACES[(rule, tree.tokens.shape)] += 1
+    return accept(tree, logits, rule=rule, max_depth=MAX_DEPTH, keys=keys, temp=temp, top_p=top_p,
+                  proposal=proposal, anchor=anchor, branch=2)
 
 
-def run_sampled(rule, arrays, logits, temp, top_p, keys, greedy=False):
+def run_sampled(rule, arrays, logits, temp, top_p, keys):
     """``verify`` on node arrays (``tree_arrays`` / ``sample_trees``) and ``[B, N + 1, V]`` logits."""
     n = arrays["tokens"].shape[0]
     temp = np.array(np.broadcast_to(temp, (n,)), np.float64)
     return verify(draft_tree(**arrays), jnp.asarray(logits), keys, temp, full(n, top_p),
-                  make_proposal(n), full(n, ANCHOR, np.int32), greedy, rule)
+                  make_proposal(n), full(n, ANCHOR, np.int32), rule)
 
 
 def target_logits(target, arrays):
@@ -494,24 +494,6 @@ def test_row_outcome_is_independent_of_batch_position(rule):
             np.testing.assert_array_equal(got[0], want[3])
 
 
-@pytest.mark.parametrize("rule", ["rejection", "match"])
-def test_zero_temperature_rows_follow_the_greedy_rule(rule):
-    """Greedy requests batched into a sampling program (``temp = 0`` rows) get exactly the
-    greedy rule's outcome, whatever their keys."""
-    arrays = sample_trees(np.random.default_rng(6), 5, 1.0, 1.0)
-    logits = target_logits(TinyTarget(seed=5, scale=1.0), arrays)
-    rows = np.arange(5)
-    logits[rows[:3], 0, arrays["tokens"][rows[:3], 0]] += 10.0  # rows 0-2 accept node 0 …
-    logits[rows[:2], 1, arrays["tokens"][rows[:2], 2]] += 10.0  # … rows 0-1 also its child
-    temp = np.array([0.0, 0.0, 1.0, 0.0, 0.7])
-    greedy = jax.tree.map(np.asarray, run_sampled(rule, arrays, logits, temp, 1.0, row_keys(5), greedy=True))
-    np.testing.assert_array_equal(greedy.n_accepted[[0, 1, 3]], [2, 2, 0])
-    for seed in range(4):
-        out = jax.tree.map(np.asarray, run_sampled(rule, arrays, logits, temp, 1.0, row_keys(5, seed)))
-        for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(greedy)):
-            np.testing.assert_array_equal(got[temp == 0], want[temp == 0])
-
-
 def test_padding_is_never_accepted():
     """A padding slot holding the target's favourite token (with the draft's pool slot of that
     token), with a padding child holding the favourite of its row, under every rule, 60 keys."""
@@ -519,9 +501,9 @@ def test_padding_is_never_accepted():
     arrays = node_arrays([[(favourite, -1, 1, False), (0, -1, 0), (favourite, 0, 2, False)]] * n, BUDGET)
     logits = np.zeros((n, BUDGET + 1, V))
     logits[:, :, favourite] = 12.0  # p(favourite) ≈ 1 at every row
-    for greedy, rule in [(True, "match"), (False, "match"), (False, "rejection")]:
+    for rule in ["greedy", "match", "rejection"]:
         for seed in range(12):
-            out = run_sampled(rule, arrays, logits, 1.0, 1.0, row_keys(n, seed), greedy=greedy)
+            out = run_sampled(rule, arrays, logits, 1.0, 1.0, row_keys(n, seed))
             assert not np.asarray(out.accepted[:, [0, 2]]).any(), rule
             assert not np.isin(np.asarray(out.path), [0, 2]).any(), rule
             assert (np.asarray(out.bonus) == favourite).all(), rule
@@ -531,14 +513,14 @@ def test_one_trace_per_shape():
     """Several calls with new data (trees, logits, keys, settings, anchors) of one shape trace
     ``verify`` once per rule (other tests may have traced it already; never twice)."""
     n = 5
-    rules = [(True, "match"), (False, "match"), (False, "rejection")]
+    rules = ["greedy", "match", "rejection"]
     for seed in range(3):
         arrays = sample_trees(np.random.default_rng(seed), n, 1.0, 1.0)
         logits = jnp.asarray(target_logits(TinyTarget(seed=seed, scale=1.0), arrays))
-        for greedy, rule in rules:
+        for rule in rules:
             verify(draft_tree(**arrays), logits, row_keys(n, seed), full(n, 0.5 + seed), full(n, 0.9),
-                   make_proposal(n), full(n, seed, np.int32), greedy, rule)
-    assert [TRACES[(greedy, rule, (n, BUDGET))] for greedy, rule in rules] == [1, 1, 1]
+                   make_proposal(n), full(n, seed, np.int32), rule)
+    assert [TRACES[(rule, (n, BUDGET))] for rule in rules] == [1, 1, 1]
 
 
 # ----------------------------------------------------------------------------- API
@@ -549,18 +531,14 @@ def test_accept_refuses_bad_combinations():
     tree = tree_from_nodes([[(1, -1)]] * n, BUDGET)
     logits = jnp.zeros((n, BUDGET + 1, V))
     sampling = dict(keys=row_keys(n), temp=full(n, 1.0), top_p=full(n, 1.0))
-    with pytest.raises(ValueError, match="the rejection rule needs sampled children; build the tree "
-                                         "with sample=True or use the match rule"):
-        accept(tree, logits, greedy=False, rule="rejection", max_depth=2, sampled=False,
-               proposal=make_proposal(n), anchor=jnp.zeros(n, jnp.int32), **sampling)
-    with pytest.raises(ValueError, match="unknown"):
-        accept(tree, logits, greedy=False, rule="typical", max_depth=2, **sampling)
+    with pytest.raises(ValueError, match="verify rule 'typical' is unknown"):
+        accept(tree, logits, rule="typical", max_depth=2, **sampling)
     with pytest.raises(ValueError, match="keys, temp and top_p"):
-        accept(tree, logits, greedy=False, rule="match", max_depth=2)
+        accept(tree, logits, rule="match", max_depth=2)
     with pytest.raises(ValueError, match="Proposal and anchor"):
-        accept(tree, logits, greedy=False, rule="rejection", max_depth=2, sampled=True, **sampling)
+        accept(tree, logits, rule="rejection", max_depth=2, **sampling)
     with pytest.raises(ValueError, match="block size"):
-        accept(tree, logits, greedy=False, rule="rejection", max_depth=3, sampled=True,
-               proposal=make_proposal(n), anchor=jnp.zeros(n, jnp.int32), **sampling)
+        accept(tree, logits, rule="rejection", max_depth=3, proposal=make_proposal(n),
+               anchor=jnp.zeros(n, jnp.int32), **sampling)
     with pytest.raises(ValueError, match=r"expected \(2, 5, V\)"):
-        accept(tree, logits[:, :3], greedy=True, rule="match", max_depth=2)
+        accept(tree, logits[:, :3], rule="greedy", max_depth=2)

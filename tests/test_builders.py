@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from treespark_jax.config import BUILDERS, TreeConfig
+from treespark_jax.config import BUILDERS, TREE_RULES, TreeConfig
 from treespark_jax.sampling import processed_logprobs
 from treespark_jax.testing.random_proposal import random_proposal
 from treespark_jax.tree.best_first import best_first
@@ -43,14 +43,14 @@ def as_numpy(tree) -> dict[str, np.ndarray]:
 
 @jax.jit
 def _child_logq(proposal, depth, parent_tok, temp, top_p):
-    sampling = temp > 0
-    t = jnp.broadcast_to(jnp.where(sampling, temp, 1.0)[:, None], depth.shape)
-    p = jnp.broadcast_to(jnp.where(sampling, top_p, 1.0)[:, None], depth.shape)
+    t = jnp.broadcast_to(temp[:, None], depth.shape)
+    p = jnp.broadcast_to(top_p[:, None], depth.shape)
     return processed_logprobs(child_logits(proposal, depth, parent_tok), t, p)
 
 
 def node_logq(tree, proposal, anchor, temp, top_p) -> np.ndarray:
-    """``[B, N, M]`` processed draft log-probs of each node's own child set (its parent's ``q``)."""
+    """``[B, N, M]`` processed draft log-probs of each node's own child set (its parent's ``q``;
+    pass ``temp = top_p = 1`` for a greedy tree)."""
     parents = np.asarray(tree.parents)
     tokens = np.asarray(tree.tokens)
     parent_tok = np.where(parents < 0, np.asarray(anchor)[:, None],
@@ -109,59 +109,54 @@ def masked(proposal: Proposal, invalid: float, seed: int) -> Proposal:
 # ----------------------------------------------------------------------------- structure
 
 SWEEP_CFG = dict(budget=12, max_depth=4, branch=3)
-SWEEP_TEMP = np.array([0.0, 1.0, 0.7, 1.5, 0.0, 1.0])
+SWEEP_TEMP = np.array([0.4, 1.0, 0.7, 1.5, 0.2, 1.0])
 SWEEP_TOP_P = np.array([1.0, 1.0, 0.8, 1.0, 0.5, 0.6])
 
 
-@pytest.mark.parametrize("sample", [False, True], ids=["deterministic", "sampled"])
+@pytest.mark.parametrize("rule", TREE_RULES)
 @pytest.mark.parametrize("builder", BUILDERS)
 @settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), invalid=st.sampled_from([0.0, 0.3, 0.8]))
-def test_tree_invariants(builder, sample, seed, invalid):
+def test_tree_invariants(builder, rule, seed, invalid):
     cfg = TreeConfig(builder=builder, **SWEEP_CFG)
     b = len(SWEEP_TEMP)
     proposal = masked(random_proposal(jax.random.key(seed), b, 5, 6, 40, 3), invalid, seed)
     anchor = jnp.asarray(np.random.default_rng(seed).integers(0, 40, b), jnp.int32)
-    tree = build_tree(proposal, anchor, cfg, temp=SWEEP_TEMP, top_p=SWEEP_TOP_P, sample=sample,
-                      keys=row_keys(seed, b))
-    t = check_tree(tree, proposal, anchor, cfg, SWEEP_TEMP, SWEEP_TOP_P,
-                   deterministic_rows=(SWEEP_TEMP == 0) | (not sample))
+    tree = build_tree(proposal, anchor, cfg, rule=rule, temp=SWEEP_TEMP, top_p=SWEEP_TOP_P, keys=row_keys(seed, b))
+    greedy = rule == "greedy"  # ranked and scored at temperature 1 without a nucleus
+    t = check_tree(tree, proposal, anchor, cfg, 1.0 if greedy else SWEEP_TEMP, 1.0 if greedy else SWEEP_TOP_P,
+                   deterministic_rows=np.full(b, rule != "rejection"))
     if invalid == 0:
         # With every pool slot a candidate and no nucleus, the budget is always filled.
         full = t["valid"][SWEEP_TOP_P == 1].sum(axis=1)
         assert (full == (cfg.max_depth if builder == "chain" else cfg.budget)).all()
 
 
-def test_rows_are_independent_and_greedy_rows_stay_deterministic():
-    """A row's tree depends only on its own proposal, anchor, settings and key (not on its batch
-    position), and ``temp = 0`` rows of a sampled build get the deterministic tree."""
+def test_rows_are_independent():
+    """A row's sampled tree depends only on its own proposal, anchor, settings and key (not on
+    its batch position)."""
     b = len(SWEEP_TEMP)
     cfg = TreeConfig(builder="treespark", **SWEEP_CFG)
     proposal = random_proposal(jax.random.key(5), b, 5, 6, 40, 3)
     anchor = jnp.arange(b, dtype=jnp.int32)
     keys = row_keys(5, b)
-    sampled = as_numpy(build_tree(proposal, anchor, cfg, temp=SWEEP_TEMP, top_p=SWEEP_TOP_P, sample=True,
+    sampled = as_numpy(build_tree(proposal, anchor, cfg, rule="rejection", temp=SWEEP_TEMP, top_p=SWEEP_TOP_P,
                                   keys=keys))
     flip = np.arange(b)[::-1]
     flipped = proposal.replace(**{f: getattr(proposal, f)[flip] for f in ROW_FIELDS})
-    again = as_numpy(build_tree(flipped, anchor[flip], cfg, temp=SWEEP_TEMP[flip], top_p=SWEEP_TOP_P[flip],
-                                sample=True, keys=keys[flip]))
-    deterministic = as_numpy(build_tree(proposal, anchor, cfg, temp=SWEEP_TEMP, top_p=SWEEP_TOP_P,
-                                        sample=False, keys=keys))
-    greedy = SWEEP_TEMP == 0
+    again = as_numpy(build_tree(flipped, anchor[flip], cfg, rule="rejection", temp=SWEEP_TEMP[flip],
+                                top_p=SWEEP_TOP_P[flip], keys=keys[flip]))
     for f in FIELDS:
         np.testing.assert_array_equal(again[f][flip], sampled[f])
-        np.testing.assert_array_equal(sampled[f][greedy], deterministic[f][greedy])
 
 
 def test_chain_stops_at_budget_or_depth():
     b = len(SWEEP_TEMP)
     proposal = random_proposal(jax.random.key(0), b, 5, 6, 40, 3)
     anchor = jnp.arange(b, dtype=jnp.int32)
-    short = build_tree(proposal, anchor, TreeConfig(budget=3, max_depth=5, builder="chain"),
-                       temp=0.0, top_p=1.0, sample=False)
+    short = build_tree(proposal, anchor, TreeConfig(budget=3, max_depth=5, builder="chain"), rule="greedy")
     assert np.asarray(short.valid).all() and (np.asarray(short.depths) == [1, 2, 3]).all()
-    logq = draft_logprobs(proposal, jnp.ones(b, jnp.int32), anchor, jnp.zeros(b), jnp.ones(b))
+    logq = draft_logprobs(proposal, jnp.ones(b, jnp.int32), anchor, jnp.ones(b), jnp.ones(b))
     assert (np.asarray(short.pool_index[:, 0]) == np.argmax(np.asarray(logq), axis=1)).all()
 
 
@@ -169,9 +164,9 @@ def test_non_candidate_depth_ends_every_path():
     b = len(SWEEP_TEMP)
     proposal = random_proposal(jax.random.key(1), b, 5, 6, 40, 3)
     proposal = proposal.replace(pool_logits=proposal.pool_logits.at[:, 1].set(-jnp.inf))
-    for sample in (False, True):
+    for rule in TREE_RULES:
         tree = build_tree(proposal, jnp.zeros(b, jnp.int32), TreeConfig(builder="treespark", **SWEEP_CFG),
-                          temp=np.ones(b), top_p=np.ones(b), sample=sample, keys=row_keys(0, b))
+                          rule=rule, temp=np.ones(b), top_p=np.ones(b), keys=row_keys(0, b))
         assert (np.asarray(tree.valid).sum(axis=1) == SWEEP_CFG["branch"]).all()
         assert (np.asarray(tree.depths)[:, :SWEEP_CFG["branch"]] == 1).all()
 
@@ -179,11 +174,9 @@ def test_non_candidate_depth_ends_every_path():
 def test_rejects_depth_beyond_block_and_sampling_without_keys():
     proposal = random_proposal(jax.random.key(0), 1, 3, 4, 20, 2)
     with pytest.raises(ValueError, match="max_depth=4"):
-        build_tree(proposal, jnp.zeros(1, jnp.int32), TreeConfig(budget=4, max_depth=4), temp=0.0,
-                   top_p=1.0, sample=False)
+        build_tree(proposal, jnp.zeros(1, jnp.int32), TreeConfig(budget=4, max_depth=4), rule="greedy")
     with pytest.raises(ValueError, match="keys"):
-        build_tree(proposal, jnp.zeros(1, jnp.int32), TreeConfig(budget=4, max_depth=3), temp=1.0,
-                   top_p=1.0, sample=True)
+        build_tree(proposal, jnp.zeros(1, jnp.int32), TreeConfig(budget=4, max_depth=3), rule="rejection")
 
 
 # ----------------------------------------------------------------------------- optimality
@@ -249,18 +242,20 @@ def assert_same_nodes(got, want):
 
 @pytest.mark.parametrize("builder", ["parent_conditioned", "treespark", "marginal"])
 def test_deterministic_builders_equal_reference_best_first(builder):
-    """float64, random continuous logits (no ties); greedy rows and temperature rows (match rule)."""
+    """float64, random continuous logits (no ties); the greedy rule (temperature 1) and the match
+    rule at per-row temperatures."""
     cfg = TreeConfig(budget=12, max_depth=3, branch=2, builder=builder)
-    temp = np.array([0.0, 0.0, 0.0, 0.0, 0.7, 1.3, 1.0, 0.0])
+    temp = np.array([0.5, 2.0, 0.9, 1.1, 0.7, 1.3, 1.0, 0.3])
     with jax.enable_x64(True):
         proposal = masked(random_proposal(jax.random.key(7), len(temp), 3, 5, 7, 3, dtype=jnp.float64),
                           0.15, 7)
         anchor = np.arange(len(temp)) % 7
-        tree = build_tree(proposal, jnp.asarray(anchor, jnp.int32), cfg, temp=temp, top_p=1.0, sample=False)
-        t = as_numpy(tree)
+        trees = {rule: as_numpy(build_tree(proposal, jnp.asarray(anchor, jnp.int32), cfg, rule=rule, temp=temp))
+                 for rule in ("greedy", "match")}
     p = {f: np.asarray(getattr(proposal, f)) for f in proposal.__dataclass_fields__}
-    for r in range(len(temp)):
-        assert_same_nodes(tree_rows(t, r), reference_best_first(p, r, int(anchor[r]), cfg, temp[r]))
+    for rule, temps in (("greedy", np.ones_like(temp)), ("match", temp)):
+        for r in range(len(temp)):
+            assert_same_nodes(tree_rows(trees[rule], r), reference_best_first(p, r, int(anchor[r]), cfg, temps[r]))
 
 
 @pytest.mark.parametrize("branch", [2, 5])
@@ -271,7 +266,7 @@ def test_marginal_is_the_top_n_prefixes(branch):
     b, p_, m = 8, 3, 5
     with jax.enable_x64(True):
         proposal = random_proposal(jax.random.key(3), b, p_, m, 7, 3, dtype=jnp.float64)
-        tree = build_tree(proposal, jnp.zeros(b, jnp.int32), cfg, temp=np.zeros(b), top_p=1.0, sample=False)
+        tree = build_tree(proposal, jnp.zeros(b, jnp.int32), cfg, rule="greedy")
         t = as_numpy(tree)
     logp = np.stack([[log_softmax(row) for row in rows] for rows in np.asarray(proposal.pool_logits)])
     for r in range(b):
@@ -303,7 +298,7 @@ def test_sampled_siblings_are_draws_without_replacement(temp, top_p):
     one = random_proposal(jax.random.key(11), 1, 2, m, 30, 3, logit_scale=1.0)
     anchor = jnp.full(n, 4, jnp.int32)
     tree = build_tree(tile_rows(one, n), anchor, TreeConfig(budget=2, max_depth=1, branch=2, builder="treespark"),
-                      temp=temp, top_p=top_p, sample=True, keys=row_keys(5, n))
+                      rule="rejection", temp=temp, top_p=top_p, keys=row_keys(5, n))
     q = np.exp(np.asarray(processed_logprobs(child_logits(one, jnp.ones((1, 1), jnp.int32),
                                                           anchor[:1, None])[0, 0], temp, top_p)))
     first, second = (np.asarray(tree.pool_index[:, i]) for i in (0, 1))
@@ -324,7 +319,7 @@ def test_sampled_admission_does_not_bias_the_admitted_token():
     one = one.replace(pool_logits=jnp.asarray([[[2.5, 0.0, -0.5, -1.0, -1.2], [2.0, 0.5, 0.0, -1.0, -1.5]]]))
     anchor = jnp.full(n, 1, jnp.int32)
     tree = build_tree(tile_rows(one, n), anchor, TreeConfig(budget=2, max_depth=2, branch=2, builder="treespark"),
-                      temp=1.0, top_p=1.0, sample=True, keys=row_keys(9, n))
+                      rule="rejection", keys=row_keys(9, n))
     t = as_numpy(tree)
     q = np.exp(np.asarray(draft_logprobs(one, jnp.ones(1, jnp.int32), anchor[:1], jnp.ones(1), jnp.ones(1))[0]))
     sibling = t["parents"][:, 1] == -1
@@ -417,10 +412,10 @@ def test_swapping_a_drawn_token_changes_nothing_it_could_anticipate(builder):
 def test_one_compile_per_budget():
     traces = []
 
-    @functools.partial(jax.jit, static_argnames=("cfg", "sample"))
-    def round_build(proposal, anchor, temp, top_p, keys, cfg, sample):
+    @functools.partial(jax.jit, static_argnames=("cfg", "rule"))
+    def round_build(proposal, anchor, temp, top_p, keys, cfg, rule):
         traces.append(cfg.budget)
-        return build_tree(proposal, anchor, cfg, temp=temp, top_p=top_p, sample=sample, keys=keys)
+        return build_tree(proposal, anchor, cfg, rule=rule, temp=temp, top_p=top_p, keys=keys)
 
     b = len(SWEEP_TEMP)
     for seed in range(3):
@@ -428,7 +423,7 @@ def test_one_compile_per_budget():
         for budget in (2, 3):
             round_build(proposal, jnp.full(b, seed, jnp.int32), jnp.asarray(SWEEP_TEMP * (seed + 1)),
                         jnp.asarray(SWEEP_TOP_P), row_keys(seed, b), TreeConfig(budget=budget, max_depth=2, branch=2),
-                        False)
+                        "match")
     assert traces == [2, 3]  # new data, temperatures and keys never retrace
 
 
@@ -474,7 +469,7 @@ def test_stop_rules_on_a_tree_and_their_difference():
     b = len(SWEEP_TEMP)
     proposal = random_proposal(jax.random.key(0), b, 5, 6, 40, 3)
     tree = build_tree(proposal, jnp.zeros(b, jnp.int32), TreeConfig(builder="treespark", **SWEEP_CFG),
-                      temp=SWEEP_TEMP, top_p=SWEEP_TOP_P, sample=False, keys=row_keys(0, b))
+                      rule="match", temp=SWEEP_TEMP, top_p=SWEEP_TOP_P, keys=row_keys(0, b))
     acc = expected_accepted(tree)
     np.testing.assert_allclose(acc, np.cumsum(np.where(tree.valid, np.exp(tree.score), 0), axis=1), rtol=1e-6)
     assert (np.diff(np.asarray(acc), axis=1) >= 0).all()

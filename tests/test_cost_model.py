@@ -17,7 +17,7 @@ from treespark_jax.decode import cost_store
 from treespark_jax.decode.cost_fit import fit_monotone_convex, pool_adjacent_violators
 from treespark_jax.decode.cost_model import CostModel
 from treespark_jax.decode.cost_store import cost_model_for, load_cost_model, profile_path, save_cost_model, target_id
-from treespark_jax.decode.speculative import SpecConfig
+from treespark_jax.decode.plan import Speculation, plan_round
 
 from tiny import tiny_decoder
 
@@ -326,10 +326,12 @@ def test_profile_bad_input_is_one_sentence_and_exit_2(capsys, flags, message):
 
 def test_the_stop_reads_the_raw_medians_for_deterministic_trees_and_the_fit_for_sampled_ones():
     cost = CostModel.fit((64, 256), (2, 3, 5, 9), [[41.0, 48.0, 61.0, 70.0], [48.0, 51.0, 66.0, 72.0]], [12.0, 10.0])
-    tree = TreeConfig(budget=8, max_depth=4, branch=2, ladder=(1, 2, 4, 8))
+    spec = Speculation(None, TreeConfig(budget=8, max_depth=4, branch=2), verify="rejection",
+                       cost_aware_stop=True, skip_drafting=False)
+    assert plan_round(spec, 1.0, cost).ladder == (1, 2, 4, 8)
     raw, fit = [41.0, 48.0, 61.0, 70.0], cost.verify_cost((1, 2, 4, 8), 64)
     assert not np.allclose(raw, fit)
-    np.testing.assert_allclose(SpecConfig(tree, greedy=True, cost=cost).stop_verify_cost(64), raw)
-    match = dataclasses.replace(tree, verify="match")  # deterministic children at temp > 0
-    np.testing.assert_allclose(SpecConfig(match, greedy=False, cost=cost).stop_verify_cost(64), raw)
-    np.testing.assert_allclose(SpecConfig(tree, greedy=False, cost=cost).stop_verify_cost(64), fit)
+    np.testing.assert_allclose(plan_round(spec, 0.0, cost).stop_verify_cost(64), raw)
+    match = dataclasses.replace(spec, verify="match")  # deterministic children at temp > 0
+    np.testing.assert_allclose(plan_round(match, 1.0, cost).stop_verify_cost(64), raw)
+    np.testing.assert_allclose(plan_round(spec, 1.0, cost).stop_verify_cost(64), fit)

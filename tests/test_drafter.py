@@ -14,7 +14,7 @@ from flax import nnx
 
 from treespark_jax.config import DrafterConfig, TreeConfig, default_layer_ids
 from treespark_jax.decode import engine as engine_mod
-from treespark_jax.decode.engine import Engine, Speculation
+from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.block_proposer import BlockProposer
 from treespark_jax.drafter.model import BlockDrafter
@@ -26,6 +26,7 @@ from treespark_jax.models.layers import attention, rms_norm
 from treespark_jax.tree.proposal import child_logits, edge_logits
 
 from rounds import assert_round_accounting
+from specs import spec as speculation
 from tiny import SPEC_PROMPTS, tiny_config, tiny_decoder
 
 LAYER_IDS = (0, 2)  # of the 3-layer tiny target
@@ -331,7 +332,8 @@ def test_heads_and_configs_reject_bad_settings(target32):
 def test_greedy_speculative_with_a_random_drafter_equals_greedy_ar(target64, ar_reference, builder):
     proposer = BlockProposer.create(make_drafter(target64, block_size=6), target64)
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder=builder)
-    ids, stats = Engine(target64, stop_ids=[]).generate(PROMPTS, 40, spec=Speculation(proposer, tree))
+    ids, stats = Engine(target64, stop_ids=[]).generate(PROMPTS, 40, spec=speculation(proposer, tree,
+                                                                                     stop=builder == "treespark"))
     assert ids == ar_reference
     assert_round_accounting(ids, stats, tree.max_depth)
 
@@ -342,7 +344,7 @@ def test_context_after_real_rounds_is_the_committed_sequence(x64):
     target = tiny_decoder("llama", seed=4, vocab_size=8)
     drafter = make_drafter(target, block_size=6, pool_size=8)
     proposer = BlockProposer.create(drafter, target)
-    spec = Speculation(proposer, TreeConfig(budget=24, max_depth=6, branch=4, builder="parent_conditioned"))
+    spec = speculation(proposer, TreeConfig(budget=24, max_depth=6, branch=4, builder="parent_conditioned"))
     eng = Engine(target, stop_ids=[])
     prompts = [[1, 2, 3, 4, 5], [6, 7], [3]]
     ar, _ = eng.generate(prompts, 60)
@@ -366,13 +368,13 @@ def test_context_after_real_rounds_is_the_committed_sequence(x64):
 def test_one_program_per_budget_for_a_generation_with_the_drafter(target64):
     eng = Engine(target64, stop_ids=[])
     proposer = BlockProposer.create(make_drafter(target64, block_size=6), target64)
-    spec = Speculation(proposer, TreeConfig(budget=8, max_depth=6, branch=4, builder="treespark"))
+    spec = speculation(proposer, TreeConfig(budget=8, max_depth=6, branch=4, builder="treespark"), stop=True)
     eng.generate([[3, 1, 4]], 128, spec=spec)
     before = engine_mod._spec_program.cache_size()
     ids, stats = eng.generate([[2, 7, 1, 8, 2]], 128, spec=spec)
     assert len(ids[0]) == 128 and stats.compiles == 0
-    eng.generate([[2, 7, 1, 8, 2]], 128, spec=Speculation(proposer, TreeConfig(
-        budget=16, max_depth=6, branch=4, builder="treespark")))
+    eng.generate([[2, 7, 1, 8, 2]], 128, spec=speculation(proposer, TreeConfig(
+        budget=16, max_depth=6, branch=4, builder="treespark"), stop=True))
     assert engine_mod._spec_program.cache_size() == before + 1
 
 

@@ -11,7 +11,9 @@ import pytest
 from flax import nnx
 
 from treespark_jax.config import TreeConfig
+from treespark_jax.decode.cost_store import DEFAULT_CPU_COST
 from treespark_jax.decode.engine import Engine
+from treespark_jax.decode.plan import plan_round
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.methods import DRAFTER_METHODS, METHODS, RECIPES, drafter_config, speculation
 from treespark_jax.models.kv_cache import KVCache
@@ -62,7 +64,7 @@ def test_a_draft_vocabulary_keeps_greedy_output_equal_to_ar(target64, ar_referen
 @pytest.mark.parametrize("method", ["dspark", "treespark"])
 def test_sampled_generation_runs_with_the_recipes_rejection_rule(target64, method):
     spec = speculation(method, target64, 12, drafter=random_drafter(target64, method))
-    assert spec.tree.verify == "rejection" and spec.tree.stop
+    assert spec.verify == "rejection" and spec.cost_aware_stop
     ids, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 16, temp=1.0, seed=5, spec=spec)
     assert [len(i) for i in ids] == [16] * len(SPEC_PROMPTS)
     assert_round_accounting(ids, stats, spec.tree.max_depth)
@@ -71,12 +73,13 @@ def test_sampled_generation_runs_with_the_recipes_rejection_rule(target64, metho
 def test_chain_recipes_verify_at_most_the_block_and_trees_the_budget(target64):
     d = random_drafter(target64, "dflash")
     assert speculation("dflash", target64, 32, drafter=d).tree.budget == 5
-    assert speculation("dflash", target64, 3, drafter=d).tree == TreeConfig(
-        budget=3, max_depth=3, branch=1, builder="chain", verify="match", stop=False, skip=True)
-    tree = speculation("ddtree", target64, 32, drafter=d).tree
-    assert (tree.budget, tree.max_depth, tree.builder, tree.stop) == (32, 5, "marginal", False)
-    tree = speculation("ddtree", target64, 32, drafter=d, builder="treespark", verify="rejection").tree
-    assert (tree.builder, tree.verify) == ("treespark", "rejection")
+    spec = speculation("dflash", target64, 3, drafter=d)
+    assert spec.tree == TreeConfig(budget=3, max_depth=3, branch=1, builder="chain")
+    assert (spec.verify, spec.cost_aware_stop, spec.skip_drafting) == ("match", False, True)
+    spec = speculation("ddtree", target64, 32, drafter=d)
+    assert (spec.tree.budget, spec.tree.max_depth, spec.tree.builder, spec.cost_aware_stop) == (32, 5, "marginal", False)
+    spec = speculation("ddtree", target64, 32, drafter=d, builder="treespark", verify="rejection")
+    assert (spec.tree.builder, spec.verify, spec.cost_aware_stop) == ("treespark", "rejection", True)
 
 
 def test_dspark_chain_scores_nodes_by_the_confidence_head(target64):
@@ -90,7 +93,7 @@ def test_dspark_chain_scores_nodes_by_the_confidence_head(target64):
                           features, 32)
     proposal = proposer.propose(state, jnp.asarray([7]), None)
     assert proposal.has_confidence
-    tree = build_tree(proposal, jnp.asarray([7]), spec.tree, temp=0.0, top_p=1.0, sample=False)
+    tree = build_tree(proposal, jnp.asarray([7]), spec.tree, rule="greedy")
     # Recompute the chain by hand: top-1 of q at each depth, survival from the confidence head.
     parent, score = 7, 0.0
     head = proposer.weights.head
@@ -107,20 +110,21 @@ def test_dspark_chain_scores_nodes_by_the_confidence_head(target64):
 def test_every_drafting_method_skips_drafting_unless_told_not_to(target64):
     for method in ("prompt_lookup", "dflash", "treespark"):
         drafter = None if method == "prompt_lookup" else random_drafter(target64, method)
-        assert speculation(method, target64, 8, drafter=drafter).tree.skip is True
-        assert speculation(method, target64, 8, drafter=drafter, skip=False).tree.skip is False
+        assert speculation(method, target64, 8, drafter=drafter).skip_drafting is True
+        assert speculation(method, target64, 8, drafter=drafter, skip=False).skip_drafting is False
     assert speculation("ar", target64) is None and speculation("ar", target64, skip=False) is None
 
 
 def test_the_cost_aware_stop_follows_the_recipe_unless_overridden(target64, ar_reference):
     drafters = {m: random_drafter(target64, m) for m in ("dflash", "dspark", "ddtree", "treespark")}
-    default = {m: speculation(m, target64, 8, drafter=d).tree.stop for m, d in drafters.items()}
+    default = {m: speculation(m, target64, 8, drafter=d).cost_aware_stop for m, d in drafters.items()}
     assert default == {"dflash": False, "dspark": True, "ddtree": False, "treespark": True}
-    assert not any(speculation(m, target64, 8, drafter=d, stop=False).tree.stop for m, d in drafters.items())
-    assert speculation("ddtree", target64, 8, drafter=drafters["ddtree"], stop=True).tree.stop is True
-    assert speculation("treespark", target64, 1, drafter=drafters["treespark"], stop=True).tree.stop is False  # N = 1
-    assert speculation("prompt_lookup", target64, 8, stop=False).tree.stop is False
-    assert speculation("prompt_lookup", target64, 8, builder="treespark").tree.stop is False  # nothing to stop on
+    assert not any(speculation(m, target64, 8, drafter=d, stop=False).cost_aware_stop for m, d in drafters.items())
+    assert speculation("ddtree", target64, 8, drafter=drafters["ddtree"], stop=True).cost_aware_stop is True
+    one = speculation("treespark", target64, 1, drafter=drafters["treespark"], stop=True)
+    assert plan_round(one, 0.0, DEFAULT_CPU_COST).ladder == (1,)  # N = 1: nothing to choose
+    assert speculation("prompt_lookup", target64, 8, stop=False).cost_aware_stop is False
+    assert speculation("prompt_lookup", target64, 8, builder="treespark").cost_aware_stop is False  # nothing to stop on
     # Without the stop every round verifies the whole budget; greedy output stays AR's.
     spec = speculation("treespark", target64, 12, drafter=drafters["treespark"], stop=False, skip=False)
     ids, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40, spec=spec)

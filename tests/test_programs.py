@@ -4,9 +4,11 @@ import pytest
 
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode import programs
-from treespark_jax.decode.engine import Engine, Speculation
+from treespark_jax.decode.engine import Engine
+from treespark_jax.decode.plan import Speculation
 from treespark_jax.testing.random_proposer import RandomProposer
 
+from specs import spec
 from tiny import SPEC_PROMPTS, tiny_decoder
 
 BUDGETS = (2, 3, 4, 5, 6)
@@ -18,8 +20,8 @@ def engine(x64):
 
 
 def _spec(budget: int) -> Speculation:
-    return Speculation(RandomProposer(97, 6, 16, 4), TreeConfig(budget=budget, max_depth=6, branch=2,
-                                                                builder="parent_conditioned"))
+    return spec(RandomProposer(97, 6, 16, 4), TreeConfig(budget=budget, max_depth=6, branch=2,
+                                                         builder="parent_conditioned"))
 
 
 def _release_all() -> None:

@@ -56,12 +56,13 @@ from scipy import stats
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode.cost_model import CostModel
 from treespark_jax.decode.cost_store import DEFAULT_CPU_COST
-from treespark_jax.decode.engine import Engine, Speculation
+from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.prompt_lookup import PromptLookup
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.testing.random_proposer import RandomProposer
 
+from specs import spec
 from tiny import tiny_decoder
 
 # Slow: every speculative case compiles its own prefill and decode programs (5–15 s, the
@@ -117,19 +118,20 @@ FEW = FewProposals(V, block_size=4, pool_size=16, markov_rank=4, proposal_seeds=
 CASES = {  # name: (speculation or None for AR, temp, top_p)
     "ar": (None, 1.0, 1.0),
     "ar-temp0.8-top_p0.9": (None, 0.8, 0.9),
-    "rejection-treespark": (Speculation(FEW, TreeConfig(**TREE, builder="treespark")), 1.0, 1.0),
+    "rejection-treespark": (spec(FEW, TreeConfig(**TREE, builder="treespark"), stop=True), 1.0, 1.0),
     "rejection-parent_conditioned": (
-        Speculation(FEW, TreeConfig(**TREE, builder="parent_conditioned")), 1.0, 1.0),
+        spec(FEW, TreeConfig(**TREE, builder="parent_conditioned")), 1.0, 1.0),
     "rejection-treespark-temp0.8-top_p0.9": (
-        Speculation(FEW, TreeConfig(**TREE, builder="treespark")), 0.8, 0.9),
+        spec(FEW, TreeConfig(**TREE, builder="treespark"), stop=True), 0.8, 0.9),
     "match-parent_conditioned": (
-        Speculation(FEW, TreeConfig(**TREE, builder="parent_conditioned", verify="match")), 1.0, 1.0),
+        spec(FEW, TreeConfig(**TREE, builder="parent_conditioned"), verify="match"), 1.0, 1.0),
     # Draft skipping where drafting never pays: round 1 drafts, round 2 is a target step, round 3
     # drafts again (a probe), so emitted tokens mix both kinds of round.
-    "rejection-treespark-skipping": (Speculation(FEW, TreeConfig(**TREE, builder="treespark", skip=True)), 1.0, 1.0),
+    "rejection-treespark-skipping": (spec(FEW, TreeConfig(**TREE, builder="treespark"), stop=True, skip=True),
+                                     1.0, 1.0),
     "match-prompt_lookup-chain": (
-        Speculation(PromptLookup(V, block_size=4),
-                    TreeConfig(budget=3, max_depth=3, branch=1, builder="chain", verify="match")), 1.0, 1.0),
+        spec(PromptLookup(V, block_size=4), TreeConfig(budget=3, max_depth=3, branch=1, builder="chain"),
+             verify="match"), 1.0, 1.0),
 }
 
 

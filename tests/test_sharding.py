@@ -120,10 +120,11 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     from flax import nnx
 
     sys.path.insert(0, sys.argv[1])
+    from specs import spec as speculation
     from tiny import SPEC_PROMPTS, tiny_decoder
     from treespark_jax.config import DrafterConfig, TrainConfig, TreeConfig
     from treespark_jax.decode import engine as engine_mod
-    from treespark_jax.decode.engine import Engine, Speculation
+    from treespark_jax.decode.engine import Engine
     from treespark_jax.drafter.block_proposer import BlockProposer
     from treespark_jax.drafter.model import BlockDrafter
     from treespark_jax.mesh import make_mesh
@@ -146,9 +147,10 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
     one = Engine(target, stop_ids=[])
     ar, _ = one.generate(SPEC_PROMPTS, 40)
-    spec_one, _ = one.generate(SPEC_PROMPTS, 40, spec=Speculation(BlockProposer.create(drafter, target), tree))
+    spec_one, _ = one.generate(SPEC_PROMPTS, 40, spec=speculation(BlockProposer.create(drafter, target), tree,
+                                                                  stop=True))
     engine = Engine(target, stop_ids=[], mesh=make_mesh("data=2,model=4"))
-    spec = Speculation(BlockProposer.create(drafter, engine.model), tree)
+    spec = speculation(BlockProposer.create(drafter, engine.model), tree, stop=True)
     ids, stats = engine.generate(SPEC_PROMPTS, 40, spec=spec)
     report["spec_equal"] = ids == spec_one == ar
     report["ar_equal"] = engine.generate(SPEC_PROMPTS, 40)[0] == ar
@@ -172,11 +174,11 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     before = engine_mod._spec_program.cache_size()
     long_ids, long_stats = engine.generate([[2, 7, 1, 8, 2]], 300, spec=spec)
     report["long"] = [len(long_ids[0]), long_stats.compiles]
-    engine.generate([[2, 7, 1, 8, 2]], 128, spec=Speculation(spec.proposer, TreeConfig(
-        budget=32, max_depth=6, branch=4, builder="treespark")))
+    engine.generate([[2, 7, 1, 8, 2]], 128, spec=speculation(spec.proposer, TreeConfig(
+        budget=32, max_depth=6, branch=4, builder="treespark"), stop=True))
     report["new_budget_programs"] = engine_mod._spec_program.cache_size() - before
-    report["long_equal"] = long_ids == one.generate([[2, 7, 1, 8, 2]], 300, spec=Speculation(
-        BlockProposer.create(drafter, target), tree))[0]
+    report["long_equal"] = long_ids == one.generate([[2, 7, 1, 8, 2]], 300, spec=speculation(
+        BlockProposer.create(drafter, target), tree, stop=True))[0]
 
     # The API on a mesh (what `treespark generate --mesh` runs): the same replies as one device.
     from treespark_jax.api import load

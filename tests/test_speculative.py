@@ -13,7 +13,7 @@ from treespark_jax.config import TreeConfig
 from treespark_jax.decode import engine as engine_mod
 from treespark_jax.decode.commit import commit_path
 from treespark_jax.decode.cost_model import CostModel
-from treespark_jax.decode.engine import Engine, Speculation
+from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.prompt_lookup import PromptLookup
 from treespark_jax.models.kv_cache import KVCache
@@ -23,6 +23,7 @@ from treespark_jax.tree.builders import build_tree
 from treespark_jax.tree.masks import verify_inputs
 
 from rounds import assert_round_accounting
+from specs import spec as speculation
 from tiny import SPEC_PROMPTS
 
 V = 97
@@ -55,7 +56,8 @@ def run_greedy_case(model, ar_reference, case, batch):
     kind, builder, budget, depth, branch = case
     tree = TreeConfig(budget=budget, max_depth=depth, branch=branch, builder=builder)
     prompts = PROMPTS[:batch]
-    ids, stats = Engine(model, stop_ids=[]).generate(prompts, 40, spec=Speculation(proposer(kind), tree))
+    ids, stats = Engine(model, stop_ids=[]).generate(prompts, 40, spec=speculation(proposer(kind), tree,
+                                                                                stop=builder == "treespark"))
     assert ids == ar_reference[:batch]
     assert_round_accounting(ids, stats, depth)
 
@@ -97,7 +99,7 @@ def test_prompt_lookup_drafts_the_continuation_of_the_latest_longest_match(x64):
 @pytest.mark.parametrize("stop_at", [3, 17])
 def test_eos_and_cap_inside_an_accepted_path(model, ar_reference, stop_at):
     """The stop token ends the row where it occurs (emitted, nothing after it), before the cap."""
-    spec = Speculation(PromptLookup(V, 8), TreeConfig(budget=8, max_depth=8, builder="chain"))
+    spec = speculation(PromptLookup(V, 8), TreeConfig(budget=8, max_depth=8, builder="chain"))
     stop = ar_reference[0][stop_at]
     ids, stats = Engine(model, stop_ids=[stop]).generate(PROMPTS, 40, spec=spec)
     for got, ref in zip(ids, ar_reference):
@@ -118,8 +120,8 @@ def flat_cost(step_ms: float) -> CostModel:
 def test_skipped_rounds_keep_greedy_output_and_probe_with_backoff(model, ar_reference, kind, batch):
     """Where drafting never pays, rounds skip the drafter in pauses of 1, 2, 4, … rounds between
     drafted probes; the output is still greedy AR's, from one program."""
-    tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark", skip=True)
-    spec = Speculation(proposer(kind), tree)
+    tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
+    spec = speculation(proposer(kind), tree, stop=True, skip=True)
     ids, stats = Engine(model, stop_ids=[], cost=flat_cost(1e-3)).generate(PROMPTS[:batch], 40, spec=spec)
     assert ids == ar_reference[:batch]
     assert stats.compiles == 2  # the prefill and the round program, skipping inside it
@@ -130,9 +132,9 @@ def test_skipped_rounds_keep_greedy_output_and_probe_with_backoff(model, ar_refe
     # Drafted probes after pauses 1, 2, 4, 8, 16: a round takes 1 + pause rounds until done.
     assert 2 <= rounds <= 6 and skipping >= 20
     # Where drafting always pays, or skipping is off, no round skips.
-    for cost, config in ((flat_cost(1e6), tree), (flat_cost(1e-3), TreeConfig(**{**vars(tree), "skip": False}))):
-        ids, stats = Engine(model, stop_ids=[], cost=cost).generate(PROMPTS[:batch], 40,
-                                                                    spec=Speculation(proposer(kind), config))
+    for cost, skip in ((flat_cost(1e6), True), (flat_cost(1e-3), False)):
+        ids, stats = Engine(model, stop_ids=[], cost=cost).generate(
+            PROMPTS[:batch], 40, spec=speculation(proposer(kind), tree, stop=True, skip=skip))
         assert ids == ar_reference[:batch] and stats.skipped_rounds == 0
 
 
@@ -140,7 +142,7 @@ def test_a_skipping_loop_run_in_pieces_runs_the_same_rounds(model, ar_reference)
     """Streaming advances the loop a round at a time: a pause carried into the next call is
     finished before drafting again, so the rounds (and the output) match one whole call."""
     eng = Engine(model, stop_ids=[], cost=flat_cost(1e-3))
-    spec = Speculation(proposer("random"), TreeConfig(budget=16, max_depth=6, branch=4, skip=True))
+    spec = speculation(proposer("random"), TreeConfig(budget=16, max_depth=6, branch=4), stop=True, skip=True)
     state, requests = eng.start(PROMPTS[:1], 40, 0.0, 1.0, 0, spec)
     whole = eng.run(state, requests, 40, 0.0, spec)
     state, requests = eng.start(PROMPTS[:1], 40, 0.0, 1.0, 0, spec)
@@ -156,14 +158,14 @@ def test_a_skipping_loop_run_in_pieces_runs_the_same_rounds(model, ar_reference)
 def test_one_program_per_budget_for_a_long_generation(model):
     eng = Engine(model, stop_ids=[])
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
-    spec = Speculation(RandomProposer(V, 8, 48, 4), tree)
+    spec = speculation(RandomProposer(V, 8, 48, 4), tree, stop=True)
     eng.generate([[3, 1, 4]], 256, spec=spec)
     before = engine_mod._spec_program.cache_size()
     ids, stats = eng.generate([[2, 7, 1, 8, 2]], 256, spec=spec)
     assert len(ids[0]) == 256 and stats.compiles == 0
     assert len([r for r in stats.rung_rounds if r]) >= 1
-    eng.generate([[2, 7, 1, 8, 2]], 256, spec=Speculation(spec.proposer, TreeConfig(
-        budget=32, max_depth=6, branch=4, builder="treespark")))
+    eng.generate([[2, 7, 1, 8, 2]], 256, spec=speculation(spec.proposer, TreeConfig(
+        budget=32, max_depth=6, branch=4, builder="treespark"), stop=True))
     assert engine_mod._spec_program.cache_size() == before + 1
 
 
@@ -175,7 +177,7 @@ def test_tree_rows_equal_autoregressive_logits_along_each_path(model):
     tree_cfg = TreeConfig(budget=12, max_depth=4, branch=3, builder="parent_conditioned")
     prop = random_proposal(jax.random.key(0), 1, 4, 20, V, 4, dtype=jnp.float64)
     anchor = jnp.asarray([prefix[-1]])
-    tree = build_tree(prop, anchor, tree_cfg, temp=0.0, top_p=1.0, sample=False)
+    tree = build_tree(prop, anchor, tree_cfg, rule="greedy")
     cache = KVCache.zeros(cfg, 1, cap, jnp.float64)
     n0 = len(prefix) - 1
     out = model(jnp.asarray([prefix[:-1]]), jnp.arange(n0)[None], prefill_mask(jnp.asarray([n0]), n0, cap), cache)
@@ -204,7 +206,7 @@ def test_commit_gives_the_cache_prefill_would_give(model):
     tree_cfg = TreeConfig(budget=10, max_depth=4, branch=3, builder="parent_conditioned")
     prop = random_proposal(jax.random.key(2), 1, 4, 20, V, 4, dtype=jnp.float64)
     anchor = jnp.asarray([prefix[-1]])
-    tree = jax.device_get(build_tree(prop, anchor, tree_cfg, temp=0.0, top_p=1.0, sample=False))
+    tree = jax.device_get(build_tree(prop, anchor, tree_cfg, rule="greedy"))
     n0 = len(prefix) - 1
     cache = model(jnp.asarray([prefix[:-1]]), jnp.arange(n0)[None], prefill_mask(jnp.asarray([n0]), n0, cap),
                   KVCache.zeros(cfg, 1, cap, jnp.float64)).cache.replace(lengths=jnp.asarray([n0]))

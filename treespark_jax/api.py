@@ -21,7 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from treespark_jax.decode.cost_store import cost_model_for, current_device_kind, target_id
-from treespark_jax.decode.engine import Engine, GenerationStats, Speculation
+from treespark_jax.decode.engine import Engine, GenerationStats
+from treespark_jax.decode.plan import Speculation
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafters import default_method, shipped_drafter
 from treespark_jax.mesh import MeshShape, make_mesh

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Literal
 
@@ -74,18 +75,38 @@ class ModelConfig:
                      if f.name != "max_positions" and getattr(self, f.name) != getattr(other, f.name)), None)
 
 
-BUILDERS: tuple[str, ...] = ("chain", "marginal", "parent_conditioned", "treespark")
+class Builder(enum.StrEnum):
+    """Tree builders (``tree/builders.py``): one best-first search, four survival models."""
+
+    CHAIN = "chain"
+    MARGINAL = "marginal"
+    PARENT_CONDITIONED = "parent_conditioned"
+    TREESPARK = "treespark"
+
+
+class VerifyRule(enum.StrEnum):
+    """How a round's tree is verified (``tree/accept.py``): ``GREEDY`` at temperature 0 (argmax
+    matching, deterministic children); at temperature > 0 ``MATCH`` (any tree) or ``REJECTION``
+    (recursive rejection, children sampled without replacement)."""
+
+    GREEDY = "greedy"
+    MATCH = "match"
+    REJECTION = "rejection"
+
+
+BUILDERS: tuple[str, ...] = tuple(Builder)
 LOSSES: tuple[str, ...] = ("dflash", "dspark", "treespark")
 """Drafter training losses (``losses/``), named like the methods whose drafters they train."""
-VERIFY_RULES: tuple[str, ...] = ("match", "rejection")
-TREE_RULES: tuple[str, ...] = ("greedy",) + VERIFY_RULES
+VERIFY_RULES: tuple[str, ...] = (VerifyRule.MATCH, VerifyRule.REJECTION)
+"""The rules a user picks for sampling (temperature > 0); greedy decoding is always ``GREEDY``."""
+TREE_RULES: tuple[str, ...] = tuple(VerifyRule)
 """How a logged tree was verified: ``greedy`` (temp 0), ``match``, ``rejection``."""
 
 
 def greedy_tree(rule: str, temp):
     """Whether a logged tree was verified greedily: rule ``greedy`` or ``temp ≤ 0`` (a float or a
     per-row array; the result has its shape)."""
-    return (jnp.asarray(temp) <= 0) | (rule == "greedy")
+    return (jnp.asarray(temp) <= 0) | (rule == VerifyRule.GREEDY)
 
 
 def tree_temperature(rule: str, temp):
@@ -101,58 +122,44 @@ def default_ladder(budget: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, -(-budget // k)) for k in (8, 4, 2, 1)}))
 
 
+def parse_enum(kind: type[enum.StrEnum], value: str, what: str):
+    """``kind(value)``, or a one-sentence ``ValueError`` naming ``what`` and the known values."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} is unknown; expected one of {tuple(str(k) for k in kind)}.") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeConfig:
-    """Static shape and policy of a draft tree (DESIGN.md §1.2, §1.5).
+    """Static shape of a draft tree and the builder that fills it (DESIGN.md §1.2).
+
+    How the tree is verified and how much of it a round verifies is the round's plan
+    (``decode/plan.py``), not the tree's.
 
     Attributes:
       budget: N, drafted nodes per round (anchor not counted), the static tree size.
       max_depth: deepest node depth (anchor = depth 0); at most the drafter's block size.
-      branch: most children a node may get.
-      builder: one of ``BUILDERS``.
-      verify: rule used when sampling (temp > 0): ``"match"`` (any tree) or ``"rejection"``
-        (recursive rejection; children are then sampled without replacement). Greedy decoding
-        always verifies with the greedy rule.
-      ladder: verify sizes the round may choose from (ascending, last = ``budget``); empty means
-        ``default_ladder(budget)``.
-      stop: verify only as many nodes as the cost-aware stop picks from the ladder (DESIGN.md
-        §1.5); ``None`` means on for the ``treespark`` builder and off (always verify all N)
-        for the others.
-      skip: skip drafting for a few rounds when recent drafted rounds committed tokens more
-        slowly than target steps would (``decode/skip.py``; lossless). Off in a bare
-        ``TreeConfig``; the method registry turns it on for every drafting method
-        (``methods.speculation``; docs/cost_model.md gives the measurements behind that).
+      branch: most children a node may get; a ``chain`` has one child per node whatever is
+        passed (the value is set to 1).
+      builder: a ``Builder`` (a builder's name is converted).
 
     Raises:
-      ValueError: on a non-positive budget/depth/branch, an unknown builder or rule, or a ladder
-        that is not ascending or does not end at ``budget``.
+      ValueError: on a non-positive budget/depth/branch or an unknown builder.
     """
 
     budget: int = 16
     max_depth: int = 8
     branch: int = 4
-    builder: str = "treespark"
-    verify: str = "rejection"
-    ladder: tuple[int, ...] = ()
-    stop: bool | None = None
-    skip: bool = False
+    builder: Builder = Builder.TREESPARK
 
     def __post_init__(self):
-        if self.stop is None:
-            object.__setattr__(self, "stop", self.builder == "treespark")
         for name in ("budget", "max_depth", "branch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
-        if self.builder not in BUILDERS:
-            raise ValueError(f"builder {self.builder!r} is unknown; expected one of {BUILDERS}.")
-        if self.verify not in VERIFY_RULES:
-            raise ValueError(f"verify rule {self.verify!r} is unknown; expected one of {VERIFY_RULES}.")
-        ladder = self.ladder or default_ladder(self.budget)
-        if list(ladder) != sorted(set(ladder)) or ladder[-1] != self.budget or ladder[0] < 1:
-            raise ValueError(
-                f"ladder {ladder} must be strictly ascending positive sizes ending at budget={self.budget}."
-            )
-        object.__setattr__(self, "ladder", tuple(ladder))
+        object.__setattr__(self, "builder", parse_enum(Builder, self.builder, "builder"))
+        if self.builder is Builder.CHAIN:
+            object.__setattr__(self, "branch", 1)
 
 
 def default_layer_ids(n_target_layers: int, m: int = 5) -> tuple[int, ...]:

@@ -13,8 +13,8 @@ Names follow the literature (DESIGN.md §4) so a row means what readers expect:
 | ``treespark`` | drafter with edge head, ``treespark`` loss | treespark | rejection | yes (edge head) |
 
 Draft skipping (``decode/skip.py``: plain target steps while recent drafted rounds did not pay)
-is on by default for every drafting method (docs/cost_model.md has the measurements); a bare
-``TreeConfig`` leaves it off. Greedy decoding (temp 0) always
+is on by default for every drafting method (docs/cost_model.md has the measurements). Greedy
+decoding (temp 0) always
 verifies with the greedy rule. ``builder``, ``verify`` and ``stop``
 override a recipe's parts for ablations (the ``treespark`` builder brings its cost-aware
 stop unless ``stop=False``); the drafter is passed by the caller (``api.load``
@@ -26,10 +26,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from treespark_jax.config import DrafterConfig, ModelConfig, TreeConfig
+from treespark_jax.config import Builder, DrafterConfig, ModelConfig, TreeConfig, VerifyRule, parse_enum
 
 if TYPE_CHECKING:  # the registry itself stays importable without JAX (the CLI's --help)
-    from treespark_jax.decode.engine import Speculation
+    from treespark_jax.decode.plan import Speculation
     from treespark_jax.drafter.model import BlockDrafter
     from treespark_jax.models.decoder import Decoder
 
@@ -44,16 +44,16 @@ class Recipe:
 
     Attributes:
       proposer: ``None`` (plain AR), ``"prompt_lookup"`` or ``"block"`` (a learned block drafter).
-      builder: tree builder (``config.BUILDERS``).
-      verify: acceptance rule at temp > 0 (``config.VERIFY_RULES``).
+      builder: tree builder.
+      verify: acceptance rule at temp > 0 (``MATCH`` or ``REJECTION``).
       drafter_loss: the training loss of the recipe's drafter (``dflash``, ``dspark`` or
         ``treespark``), which also fixes its heads (``drafter_config``).
       stop: the round verifies only what the cost-aware stop picks (DESIGN.md §1.5).
     """
 
     proposer: str | None
-    builder: str = "chain"
-    verify: str = "match"
+    builder: Builder = Builder.CHAIN
+    verify: VerifyRule = VerifyRule.MATCH
     drafter_loss: str | None = None
     stop: bool = False
 
@@ -61,11 +61,11 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     "ar": Recipe(None),
     "prompt_lookup": Recipe("prompt_lookup"),
-    "dflash": Recipe("block", "chain", "match", "dflash"),
-    "dspark": Recipe("block", "chain", "rejection", "dspark", stop=True),
-    "ddtree": Recipe("block", "marginal", "match", "dflash"),
-    "pctree": Recipe("block", "parent_conditioned", "match", "dspark"),
-    "treespark": Recipe("block", "treespark", "rejection", "treespark", stop=True),
+    "dflash": Recipe("block", Builder.CHAIN, VerifyRule.MATCH, "dflash"),
+    "dspark": Recipe("block", Builder.CHAIN, VerifyRule.REJECTION, "dspark", stop=True),
+    "ddtree": Recipe("block", Builder.MARGINAL, VerifyRule.MATCH, "dflash"),
+    "pctree": Recipe("block", Builder.PARENT_CONDITIONED, VerifyRule.MATCH, "dspark"),
+    "treespark": Recipe("block", Builder.TREESPARK, VerifyRule.REJECTION, "treespark", stop=True),
 }
 METHODS: tuple[str, ...] = tuple(RECIPES)
 DRAFTER_METHODS: tuple[str, ...] = tuple(m for m, r in RECIPES.items() if r.proposer == "block")
@@ -114,7 +114,9 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
                 drafter: BlockDrafter | None = None, builder: str | None = None,
                 verify: str | None = None, skip: bool | None = None,
                 stop: bool | None = None) -> Speculation | None:
-    """The speculative settings of ``method`` (``None`` for plain autoregressive decoding).
+    """The speculative settings of ``method`` (``None`` for plain autoregressive decoding): the
+    one place where a recipe's defaults and the user's overrides become final values
+    (``decode/plan.py`` then resolves them against a call's temperature and cost model).
 
     Args:
       method: one of ``METHODS``.
@@ -123,17 +125,19 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
       drafter: the block drafter, required by the methods in ``DRAFTER_METHODS``.
       builder: overrides the recipe's builder (``config.BUILDERS``).
       verify: overrides the recipe's verify rule at temp > 0 (``config.VERIFY_RULES``).
-      skip: draft skipping (``TreeConfig.skip``); ``None`` means on for every drafting method.
-      stop: the cost-aware stop of a block-drafter method (``TreeConfig.stop``); ``None`` keeps the
-        recipe's (on for ``dspark`` and ``treespark``), ``False`` verifies all N nodes every round
-        (τ at equal budget), ``True`` adds the stop to any builder (ablations).
+      skip: draft skipping (``Speculation.skip_drafting``); ``None`` means on for every drafting
+        method.
+      stop: the cost-aware stop of a block-drafter method (``Speculation.cost_aware_stop``);
+        ``None`` keeps the recipe's (on for ``dspark``, and for any method with the ``treespark``
+        builder), ``False`` verifies all N nodes every round (τ at equal budget), ``True`` adds the
+        stop to any builder (ablations).
 
     Raises:
       ValueError: unknown method, builder or rule; a budget outside 1..MAX_BUDGET; a drafter method without
         a drafter; overrides (or ``skip``, or ``stop``) given for ``ar``; ``stop=True`` for
         ``prompt_lookup``, which has no draft probabilities to stop on.
     """
-    from treespark_jax.decode.engine import Speculation
+    from treespark_jax.decode.plan import Speculation
     from treespark_jax.drafter.block_proposer import BlockProposer
     from treespark_jax.drafter.prompt_lookup import PromptLookup
 
@@ -144,22 +148,21 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
             raise ValueError("method 'ar' drafts nothing; drop the drafter, builder, verify, skip and stop options.")
         return None
     skip = True if skip is None else skip
-    builder, verify = builder or r.builder, verify or r.verify
+    builder, verify = parse_enum(Builder, builder or r.builder, "builder"), verify or r.verify
     if r.proposer == "prompt_lookup":
         if stop:
             raise ValueError("method 'prompt_lookup' has no draft probabilities for the cost-aware stop; "
                              "drop the stop option (--cost-aware-stop).")
         # Prompt lookup drafts one chain whatever the builder: its proposal has a single candidate.
         return Speculation(PromptLookup(target.cfg.vocab_size, block_size=budget),
-                           TreeConfig(budget=budget, max_depth=budget, branch=1, builder=builder, verify=verify,
-                                      stop=False, skip=skip))
+                           TreeConfig(budget=budget, max_depth=budget, branch=1, builder=builder),
+                           verify=verify, cost_aware_stop=False, skip_drafting=skip)
     if drafter is None:
         raise ValueError(f"method {method!r} needs a trained block drafter; pass one with --drafter PATH "
                          "(or drafter= in the API).")
     gamma = drafter.cfg.block_size
-    chain = builder == "chain"
-    n = min(budget, gamma) if chain else budget
-    stop = (r.stop or builder == "treespark") if stop is None else stop
-    tree = TreeConfig(budget=n, max_depth=min(n, gamma), branch=1 if chain else TREE_BRANCH,
-                      builder=builder, verify=verify, stop=stop and n > 1, skip=skip)
-    return Speculation(BlockProposer.create(drafter, target, depth=tree.max_depth), tree)
+    n = min(budget, gamma) if builder is Builder.CHAIN else budget
+    tree = TreeConfig(budget=n, max_depth=min(n, gamma), branch=TREE_BRANCH, builder=builder)
+    stop = (r.stop or builder is Builder.TREESPARK) if stop is None else stop
+    return Speculation(BlockProposer.create(drafter, target, depth=tree.max_depth), tree, verify=verify,
+                       cost_aware_stop=stop, skip_drafting=skip)

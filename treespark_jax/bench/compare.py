@@ -37,7 +37,8 @@ import numpy as np
 
 from treespark_jax.api import TreeSpark
 from treespark_jax.bench.greedy_check import first_divergence
-from treespark_jax.decode.engine import GenerationStats, Speculation, depth_rates
+from treespark_jax.decode.engine import GenerationStats, depth_rates
+from treespark_jax.decode.plan import Speculation
 from treespark_jax.methods import METHODS, check_budget, recipe
 
 
@@ -124,7 +125,7 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
       drafters: drafter per method (checkpoint path or ``"random"``); default the shipped ones.
       builder, verify: override the tree builder / verify rule of every drafter method (ablations
         on a fixed drafter); ``None`` keeps each recipe's.
-      skip: draft skipping for every speculative method (``TreeConfig.skip``); ``None`` is each
+      skip: draft skipping for every speculative method (``Speculation.skip_drafting``); ``None`` is each
         method's default (on).
       stop: the cost-aware stop of every drafter method (``methods.speculation``); ``None`` keeps
         each recipe's, ``False`` makes every row verify its whole budget (τ at equal budget).
@@ -185,10 +186,10 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
     if "ar" in methods:
         results.append(_row("ar", None, temp, ar, ar, lm, prompts, repeats))
     for (m, b), tally in rows.items():
-        spec = specs[(m, b)]
+        plan = lm.engine.plan(specs[(m, b)], temp)
         results.append(_row(m, b, temp, tally, group_ar[b], lm, prompts, repeats)
-                       | {"builder": spec.tree.builder, "verify": spec.tree.verify if temp > 0 else "greedy",
-                          "stop": spec.tree.stop, "skip": spec.tree.skip})
+                       | {"builder": plan.tree.builder, "verify": plan.rule, "stop": plan.cost_aware_stop,
+                          "skip": plan.skip_drafting})
     return results
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from treespark_jax.config import DrafterConfig, TreeConfig, default_ladder, default_layer_ids
+from treespark_jax.config import DrafterConfig, TreeConfig, VerifyRule, default_ladder, default_layer_ids
 from treespark_jax.decode.ar import decode_mask
 from treespark_jax.decode.buckets import cache_capacity
 from treespark_jax.decode.cost_model import CostModel
@@ -78,7 +78,7 @@ def forward_call(model: Decoder, rows: int, context: int, capacity: int,
 @functools.partial(jax.jit, static_argnames=("proposer", "tree"))
 def _draft_round(state, anchor, committed, *, proposer, tree):
     proposal = proposer.propose(state, anchor, None)
-    built = build_tree(proposal, anchor, tree, temp=0.0, top_p=1.0, sample=False)
+    built = build_tree(proposal, anchor, tree, rule=VerifyRule.GREEDY)
     # Only the context: returning the whole state would copy the weights it carries (the
     # target's embedding among them) on every call, which a real round never does.
     return built, proposer.update(state, committed).context
@@ -161,7 +161,7 @@ def _propose(state, anchor, *, proposer):
 
 @functools.partial(jax.jit, static_argnames=("tree",))
 def _build(proposal, anchor, *, tree):
-    return build_tree(proposal, anchor, tree, temp=0.0, top_p=1.0, sample=False)
+    return build_tree(proposal, anchor, tree, rule=VerifyRule.GREEDY)
 
 
 def round_part_calls(target: Decoder, proposer: BlockProposer, tree: TreeConfig, context: int

@@ -26,19 +26,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from treespark_jax.config import TreeConfig
 from treespark_jax.decode import buckets, programs
 from treespark_jax.decode.ar import ar_loop, logged_ar_loop
 from treespark_jax.decode.cost_model import CostModel
 from treespark_jax.decode.cost_store import DEFAULT_CPU_COST
 from treespark_jax.decode.feature_log import FeatureLog, row_features
+from treespark_jax.decode.plan import RoundPlan, Speculation, plan_round
 from treespark_jax.decode.prefill import prefill
 from treespark_jax.decode.programs import Program
 from treespark_jax.decode.skip import SkipState
-from treespark_jax.decode.speculative import SpecConfig, SpecState, SpecStats, spec_loop
+from treespark_jax.decode.speculative import SpecState, SpecStats, spec_loop
 from treespark_jax.decode.state import GenState, Requests
 from treespark_jax.decode.tree_log import TreeLog, row_trees
-from treespark_jax.drafter.proposer import Proposer
 from treespark_jax.mesh import DATA, batch_sharding
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.sharding import Partitioner
@@ -75,48 +74,35 @@ def _logged_ar(graphdef, weights, tokens, prompt_lens, active, requests, *, capa
 
 
 def _spec_prefill(graphdef, weights, tokens, prompt_lens, active, requests, proposer_weights,
-                  *, proposer, cfg, capacity, out_size, layout=None) -> SpecState:
+                  *, proposer, plan: RoundPlan, capacity, out_size, layout=None) -> SpecState:
     model = nnx.merge(graphdef, weights)
     gen, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
-                       out_size=out_size, greedy=cfg.greedy, layer_ids=proposer.layer_ids)
+                       out_size=out_size, greedy=plan.greedy, layer_ids=proposer.layer_ids)
     pstate = proposer.init(proposer_weights, tokens, prompt_lens, gen.anchor, out.features, capacity)
     b = tokens.shape[0]
-    stats = SpecStats.zeros(b, cfg.tree.max_depth, len(cfg.ladder))
-    log = (TreeLog.zeros(b, out_size, cfg.tree.budget, model.cfg.d_model, model.dtype)
-           if cfg.log_trees else None)  # a round emits at least one token: ≤ out_size rounds
-    skip = SkipState.start() if cfg.skip else None
+    stats = SpecStats.zeros(b, plan.tree.max_depth, len(plan.ladder))
+    log = (TreeLog.zeros(b, out_size, plan.tree.budget, model.cfg.d_model, model.dtype)
+           if plan.log_trees else None)  # a round emits at least one token: ≤ out_size rounds
+    skip = SkipState.start() if plan.skip_drafting else None
     return _pin(layout, SpecState(gen=gen, proposer=pstate, stats=stats, log=log, skip=skip))
 
 
-def _spec(graphdef, weights, state, requests, stop_after, *, proposer, cfg, layout=None) -> SpecState:
-    return spec_loop(nnx.merge(graphdef, weights), proposer, cfg, state, requests, stop_after,
+def _spec(graphdef, weights, state, requests, stop_after, *, proposer, plan, layout=None) -> SpecState:
+    return spec_loop(nnx.merge(graphdef, weights), proposer, plan, state, requests, stop_after,
                      constrain=None if layout is None else layout.constrain)
 
 
 _prefill_program = Program(_prefill, ("graphdef", "capacity", "out_size", "greedy", "layout"))
 _ar_program = Program(_ar, ("graphdef", "greedy", "layout"), donate_argnames=("state",))
 _logged_ar_program = Program(_logged_ar, ("graphdef", "capacity", "out_size", "greedy", "layer_ids", "layout"))
-_spec_prefill_program = Program(_spec_prefill, ("graphdef", "proposer", "cfg", "capacity", "out_size", "layout"))
-_spec_program = Program(_spec, ("graphdef", "proposer", "cfg", "layout"), donate_argnames=("state",))
+_spec_prefill_program = Program(_spec_prefill, ("graphdef", "proposer", "plan", "capacity", "out_size", "layout"))
+_spec_program = Program(_spec, ("graphdef", "proposer", "plan", "layout"), donate_argnames=("state",))
 
 
 def compiled_programs() -> int:
     """Programs compiled so far by the decode entry points (a process-wide counter, programs
     released since by ``decode/programs.py`` included)."""
     return programs.compiled()
-
-
-@dataclasses.dataclass(frozen=True)
-class Speculation:
-    """How to decode speculatively: a proposer and the tree it drafts.
-
-    Attributes:
-      proposer: static proposer (drafter, prompt lookup, random).
-      tree: tree configuration; its ``budget`` is the maximum budget N of the compiled round.
-    """
-
-    proposer: Proposer
-    tree: TreeConfig
 
 
 @dataclasses.dataclass
@@ -259,7 +245,7 @@ class Engine:
         # (``check_request`` has checked the prompts' own rows).
         seeds = [s % (MAX_SEED + 1) for s in row_seeds(n_rows, seed)]
         return Requests(
-            temp=jnp.full((n_rows,), max(temp, 1e-6), jnp.float32),
+            temp=jnp.full((n_rows,), temp, jnp.float32),
             top_p=jnp.full((n_rows,), top_p, jnp.float32),
             keys=jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32)),
             max_new=jnp.full((n_rows,), max_new_tokens, jnp.int32),
@@ -317,7 +303,7 @@ class Engine:
                                          layout=self.layout)
             else:
                 state = _spec_prefill_program(*args, self.proposer_weights(spec), proposer=spec.proposer,
-                                              cfg=self.spec_config(spec, temp, log_trees),
+                                              plan=self.plan(spec, temp, log_trees),
                                               capacity=capacity, out_size=out_size, layout=self.layout)
         return state, requests
 
@@ -325,9 +311,9 @@ class Engine:
         """The mesh as the current one while programs trace (``mesh.data_parallel`` reads it)."""
         return contextlib.nullcontext() if self.layout is None else jax.set_mesh(self.layout.mesh)
 
-    def spec_config(self, spec: Speculation, temp: float, log_trees: bool = False) -> SpecConfig:
-        """The static round configuration for ``spec`` at temperature ``temp``."""
-        return SpecConfig(tree=spec.tree, greedy=temp == 0, cost=self.cost, log_trees=log_trees)
+    def plan(self, spec: Speculation, temp: float, log_trees: bool = False) -> RoundPlan:
+        """The plan of ``spec``'s rounds at temperature ``temp`` on this engine's cost model."""
+        return plan_round(spec, temp, self.cost, log_trees)
 
     def run(self, state, requests, stop_after: int, temp: float, spec: Speculation | None,
             log_trees: bool = False):
@@ -338,7 +324,7 @@ class Engine:
                 return _ar_program(self.graphdef, self.weights, state, requests, stop, greedy=temp == 0,
                                    layout=self.layout)
             return _spec_program(self.graphdef, self.weights, state, requests, stop,
-                                 proposer=spec.proposer, cfg=self.spec_config(spec, temp, log_trees),
+                                 proposer=spec.proposer, plan=self.plan(spec, temp, log_trees),
                                  layout=self.layout)
 
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, temp: float = 0.0,

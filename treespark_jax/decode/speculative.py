@@ -11,7 +11,6 @@ KV cache in place.)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -20,11 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from treespark_jax.config import TreeConfig
 from treespark_jax.decode.ar import target_step
 from treespark_jax.decode.commit import commit_path
-from treespark_jax.decode.cost_model import CostModel
-from treespark_jax.decode.cost_store import DEFAULT_CPU_COST
+from treespark_jax.decode.plan import RoundPlan
 from treespark_jax.decode.skip import SkipState, after_draft, after_skip
 from treespark_jax.decode.state import GenState, Requests, append_tokens
 from treespark_jax.decode.tree_log import TreeLog
@@ -37,47 +34,6 @@ from treespark_jax.tree.masks import verify_inputs
 from treespark_jax.tree.proposal import Proposal
 from treespark_jax.tree.verify_size import choose_verify_size, expected_accepted
 from treespark_jax.typing import Array, Int
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """Static settings of a speculative program (one compiled program per value).
-
-    Attributes:
-      tree: tree shape and builder; ``tree.budget`` is the maximum budget N.
-      greedy: temperature 0 (greedy acceptance, deterministic children).
-      cost: cost model for the cost-aware stop (``tree.stop``) and draft skipping (``tree.skip``).
-      log_trees: keep every round's verified tree in the state (on-policy rollouts).
-    """
-
-    tree: TreeConfig
-    greedy: bool
-    cost: CostModel = DEFAULT_CPU_COST
-    log_trees: bool = False
-
-    @property
-    def sampled_children(self) -> bool:
-        """Children are drawn without replacement (recursive rejection at temp > 0)."""
-        return not self.greedy and self.tree.verify == "rejection"
-
-    @property
-    def skip(self) -> bool:
-        """Draft skipping is on: asked for by the tree, possible under the cost model (it has the
-        one-row step cost) and not logging trees (every logged round is a drafted one)."""
-        return bool(self.tree.skip) and self.cost.step_ms is not None and not self.log_trees
-
-    @property
-    def ladder(self) -> tuple[int, ...]:
-        """Verify sizes the round chooses from: the ladder with the cost-aware stop, else just N."""
-        return self.tree.ladder if self.tree.stop else (self.tree.budget,)
-
-    def stop_verify_cost(self, context):
-        """``[len(ladder)]`` verify latency (ms) of each rung at ``context`` as the cost-aware stop
-        reads it: the raw medians made non-decreasing (``CostModel.measured_verify_cost``) for a
-        deterministic tree, whose stop compares every rung exactly; the convex fit for sampled
-        children, whose stopping-time rule needs it (``choose_verify_size``)."""
-        cost = self.cost.verify_cost if self.sampled_children else self.cost.measured_verify_cost
-        return cost(self.ladder, context)
 
 
 @struct.dataclass
@@ -116,8 +72,8 @@ class SpecStats:
 @struct.dataclass
 class SpecState:
     """Loop carry: generation state, the proposer's state, the statistics, the tree log
-    (``None`` unless ``SpecConfig.log_trees``) and the draft-skipping controller (``None``
-    unless ``SpecConfig.skip``)."""
+    (``None`` unless ``RoundPlan.log_trees``) and the draft-skipping controller (``None``
+    unless ``RoundPlan.skip_drafting``)."""
 
     gen: GenState
     proposer: Any
@@ -126,20 +82,19 @@ class SpecState:
     skip: SkipState | None = None
 
 
-def _verify(model: Decoder, proposer: Proposer, cfg: SpecConfig, n: int, tree: DraftTree,
+def _verify(model: Decoder, proposer: Proposer, plan: RoundPlan, n: int, tree: DraftTree,
             proposal: Proposal, gen: GenState, requests: Requests, keys) -> tuple:
     """Verifies the first ``n`` nodes of ``tree`` (static ``n``) and accepts a path."""
-    tcfg = cfg.tree
+    tcfg = plan.tree
     sub = jax.tree.map(lambda a: a[:, :n], tree)
     cache = gen.cache
     tokens, positions, mask = verify_inputs(sub, gen.anchor, cache.lengths, cache.capacity, tcfg.max_depth)
     out = model(tokens, positions, mask, cache, proposer.layer_ids)
-    acc = accept(sub, model.logits(out.hidden), greedy=cfg.greedy, rule=tcfg.verify,
-                 max_depth=tcfg.max_depth, sampled=cfg.sampled_children, keys=keys,
+    acc = accept(sub, model.logits(out.hidden), rule=plan.rule, max_depth=tcfg.max_depth, keys=keys,
                  temp=requests.temp, top_p=requests.top_p, proposal=proposal, anchor=gen.anchor,
                  branch=tcfg.branch)
     acc = acc.replace(accepted=jnp.pad(acc.accepted, ((0, 0), (0, tcfg.budget - n))))
-    hidden = jnp.pad(out.hidden, ((0, 0), (0, tcfg.budget - n), (0, 0))) if cfg.log_trees else None
+    hidden = jnp.pad(out.hidden, ((0, 0), (0, tcfg.budget - n), (0, 0))) if plan.log_trees else None
     features = None
     if proposer.layer_ids:
         rows = jnp.concatenate([jnp.zeros_like(acc.path[:, :1]), acc.path + 1], axis=1)  # -1 → anchor row
@@ -147,14 +102,14 @@ def _verify(model: Decoder, proposer: Proposer, cfg: SpecConfig, n: int, tree: D
     return out.cache, acc, features, hidden
 
 
-def skipped_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecState,
+def skipped_round(model: Decoder, proposer: Proposer, plan: RoundPlan, state: SpecState,
                   requests: Requests) -> SpecState:
     """A round without drafting: the target reads the anchor alone and emits its next token
     (``decode.ar.target_step``), and the proposer's context gains the anchor."""
     gen = state.gen
     active = ~gen.done
-    new_gen, output, token = target_step(model, gen, requests, cfg.greedy, proposer.layer_ids)
-    pad = cfg.tree.max_depth  # Committed rows beyond the anchor
+    new_gen, output, token = target_step(model, gen, requests, plan.greedy, proposer.layer_ids)
+    pad = plan.tree.max_depth  # Committed rows beyond the anchor
     features = None if output.features is None else jnp.pad(output.features, ((0, 0), (0, pad), (0, 0)))
     committed = Committed(tokens=jnp.pad(gen.anchor[:, None], ((0, 0), (0, pad))), n=active.astype(jnp.int32),
                           bonus=token, features=features)
@@ -164,7 +119,7 @@ def skipped_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
                          skip=after_skip(state.skip))
 
 
-def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecState,
+def drafted_round(model: Decoder, proposer: Proposer, plan: RoundPlan, state: SpecState,
                   requests: Requests) -> SpecState:
     """One round for every row: draft a tree, verify it, accept, commit, update the proposer
     (and, with draft skipping, the controller).
@@ -172,27 +127,26 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     Randomness: per-row keys ``fold_in(request_key, n_out)`` (the row's progress), from which the
     builder and the acceptance rules fold their own purposes; rows never share a stream.
     """
-    gen, tcfg = state.gen, cfg.tree
+    gen, tcfg = state.gen, plan.tree
     active = ~gen.done
     keys = jax.vmap(jax.random.fold_in)(requests.keys, gen.n_out)
     proposal = proposer.propose(state.proposer, gen.anchor, keys)
-    temp = jnp.zeros_like(requests.temp) if cfg.greedy else requests.temp
-    tree = build_tree(proposal, gen.anchor, tcfg, temp=temp, top_p=requests.top_p,
-                      sample=cfg.sampled_children, keys=keys)
+    tree = build_tree(proposal, gen.anchor, tcfg, rule=plan.rule, temp=requests.temp, top_p=requests.top_p,
+                      keys=keys)
 
-    ladder = cfg.ladder
+    ladder = plan.ladder
     rung = jnp.zeros((), jnp.int32)
     # Attention covers the longest row's committed slots (``Decoder.__call__``), so the costs are
     # read at that traced length.
     context = jnp.max(gen.cache.lengths)
     if len(ladder) > 1:
         survival = expected_accepted(tree) * active[:, None]
-        rung = choose_verify_size(survival, ladder, cfg.stop_verify_cost(context), cfg.cost.draft_cost(context),
-                                  non_anticipating=cfg.sampled_children)
-    branches = [functools.partial(_verify, model, proposer, cfg, n) for n in ladder]
+        rung = choose_verify_size(survival, ladder, plan.stop_verify_cost(context), plan.cost.draft_cost(context),
+                                  non_anticipating=plan.sampled_children)
+    branches = [functools.partial(_verify, model, proposer, plan, n) for n in ladder]
     cache, acc, features, hidden = jax.lax.switch(rung, branches, tree, proposal, gen, requests, keys)
     log = state.log
-    if cfg.log_trees:
+    if plan.log_trees:
         log = log.record(active, gen.cache.lengths, tree, jnp.asarray(ladder)[rung], acc, hidden)
 
     d = tcfg.max_depth
@@ -206,10 +160,10 @@ def drafted_round(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: Sp
     committed = Committed(tokens=jnp.concatenate([gen.anchor[:, None], jnp.maximum(acc.path_tokens, 0)], 1),
                           n=jnp.where(active, acc.n_accepted + 1, 0), bonus=acc.bonus, features=features)
     skip = state.skip
-    if cfg.skip:
+    if plan.skip_drafting:
         tokens = jnp.sum(jnp.where(active, acc.n_accepted + 1, 0)) / jnp.maximum(jnp.sum(active), 1)
-        round_ms = jnp.asarray(cfg.cost.measured_verify_cost(ladder, context))[rung] + cfg.cost.draft_cost(context)
-        skip = after_draft(skip, tokens, round_ms, cfg.cost.step_cost(context))
+        round_ms = jnp.asarray(plan.cost.measured_verify_cost(ladder, context))[rung] + plan.cost.draft_cost(context)
+        skip = after_draft(skip, tokens, round_ms, plan.cost.step_cost(context))
     return SpecState(gen=new_gen, proposer=proposer.update(state.proposer, committed),
                      stats=_count(state.stats, acc, active, rung, d), log=log, skip=skip)
 
@@ -225,7 +179,7 @@ def _count(stats: SpecStats, acc: Acceptance, active, rung, max_depth: int) -> S
         rung_rounds=stats.rung_rounds.at[rung].add(jnp.any(active).astype(jnp.int32)))
 
 
-def spec_loop(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecState,
+def spec_loop(model: Decoder, proposer: Proposer, plan: RoundPlan, state: SpecState,
               requests: Requests, stop_after: Int[Array, ""],
               constrain: Callable[[SpecState], SpecState] | None = None) -> SpecState:
     """Runs rounds on device until every row is done or ``steps`` reaches ``stop_after``: a
@@ -242,12 +196,12 @@ def spec_loop(model: Decoder, proposer: Proposer, cfg: SpecConfig, state: SpecSt
         return jnp.any(~s.gen.done) & (s.gen.steps < stop_after)
 
     def pause(s: SpecState) -> SpecState:
-        if not cfg.skip:
+        if not plan.skip_drafting:
             return s
         return jax.lax.while_loop(lambda s: (s.skip.pause > 0) & running(s),
-                                  lambda s: pin(skipped_round(model, proposer, cfg, s, requests)), s)
+                                  lambda s: pin(skipped_round(model, proposer, plan, s, requests)), s)
 
     def body(s: SpecState) -> SpecState:
-        return pause(pin(drafted_round(model, proposer, cfg, s, requests)))
+        return pause(pin(drafted_round(model, proposer, plan, s, requests)))
 
     return jax.lax.while_loop(running, body, pause(state))

@@ -65,7 +65,7 @@ class DrafterState:
 
 @dataclasses.dataclass(frozen=True)
 class BlockProposer:
-    """A block drafter bound to its target, usable as ``Speculation(proposer, tree)``.
+    """A block drafter bound to its target, usable as a ``Speculation``'s proposer.
 
     Compared and hashed by configuration and graph only: ``weights`` reach the compiled programs
     as a traced argument of ``init`` (then live in the state), so drafters of the same shape

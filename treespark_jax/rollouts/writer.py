@@ -41,7 +41,8 @@ from tqdm.auto import tqdm
 
 from treespark_jax.config import default_layer_ids, tree_temperature
 from treespark_jax.decode import buckets
-from treespark_jax.decode.engine import Engine, Speculation, check_sampling
+from treespark_jax.decode.engine import Engine, check_sampling
+from treespark_jax.decode.plan import Speculation
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.drafter.model import TargetHead
@@ -305,7 +306,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                 else:
                     outs, _, logs = engine.generate_logged(ids, settings.max_new_tokens, spec, settings.temp,
                                                            settings.top_p, seeds)
-                    rule = "greedy" if settings.temp == 0 else spec.tree.verify
+                    rule = engine.plan(spec, settings.temp, log_trees=True).rule
                     trees = [tree_log(log, head, rule, settings.temp) for log in logs]
                     feats = None
                 t1 = time.perf_counter()

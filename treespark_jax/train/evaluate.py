@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from treespark_jax.config import TreeConfig
+from treespark_jax.config import TreeConfig, VerifyRule
 from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
 from treespark_jax.losses.chain import chain_acceptance
 from treespark_jax.train.batches import TrainBatch, batch_from_records
@@ -132,7 +132,7 @@ def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_c
         flat = DrafterOutput(hidden=out.hidden.reshape(-1, *out.hidden.shape[2:]),
                              logits=out.logits.reshape(-1, *out.logits.shape[2:]))
         proposal = drafter.proposal(flat, drafter.token_terms(head), None if draft_head is None else draft_head.vocab_ids)
-        tree = build_tree(proposal, chain.prev_tokens[:, 0], tree_cfg, temp=0.0, top_p=1.0, sample=False)
+        tree = build_tree(proposal, chain.prev_tokens[:, 0], tree_cfg, rule=VerifyRule.GREEDY)
         accepted = gold_prefix_in_tree(tree, chain.gold, chain.mask)
         tree_tau = jnp.sum(jnp.where(used, 1 + accepted, 0))
         calibration = edge_calibration(tree, chain.gold, chain.mask, used)

@@ -1,12 +1,12 @@
 """Acceptance of a verified draft tree: one entry point over the greedy, match and rejection rules.
 
-``accept`` checks the static combination (rule, tree kind, inputs) and dispatches; every rule is
+``accept`` checks the static combination (rule, inputs) and dispatches; every rule is
 a pure, jittable function of arrays with one fixed-trip loop over depth (DESIGN.md §1.3).
 """
 
 from __future__ import annotations
 
-from treespark_jax.config import VERIFY_RULES
+from treespark_jax.config import VerifyRule, parse_enum
 from treespark_jax.tree.accept_greedy import accept_greedy
 from treespark_jax.tree.accept_match import accept_match
 from treespark_jax.tree.accept_rejection import accept_rejection
@@ -18,29 +18,24 @@ from treespark_jax.typing import Array, Float, Int, PRNGKeyArray
 __all__ = ["Acceptance", "accept"]
 
 
-def accept(tree: DraftTree, logits: Float[Array, "B T V"], *, greedy: bool, rule: str, max_depth: int,
-           sampled: bool = False, keys: PRNGKeyArray | None = None,
-           temp: Float[Array, "B"] | None = None, top_p: Float[Array, "B"] | None = None,
-           proposal: Proposal | None = None, anchor: Int[Array, "B"] | None = None,
-           branch: int | None = None) -> Acceptance:
+def accept(tree: DraftTree, logits: Float[Array, "B T V"], *, rule: VerifyRule, max_depth: int,
+           keys: PRNGKeyArray | None = None, temp: Float[Array, "B"] | None = None,
+           top_p: Float[Array, "B"] | None = None, proposal: Proposal | None = None,
+           anchor: Int[Array, "B"] | None = None, branch: int | None = None) -> Acceptance:
     """Accepts the longest drafted path the target agrees with, plus one bonus token per row.
 
-    Greedy programs use the greedy rule whatever ``rule`` says; sampling programs use ``rule``.
     All keyword arguments except the arrays are static (safe under ``jax.jit`` as static args).
 
     Args:
-      tree: ``[B, N]`` draft trees.
+      tree: ``[B, N]`` draft trees, built for ``rule`` (``build_tree(..., rule=rule)``: sampled
+        children for the rejection rule, deterministic ones otherwise).
       logits: ``[B, N + 1, V]`` float verification logits (row 0 = anchor, row ``i + 1`` = node ``i``).
-      greedy: temperature 0 (greedy rule: argmax matching).
-      rule: ``"match"`` or ``"rejection"`` (``config.VERIFY_RULES``), used when not ``greedy``
-        (checked either way).
+      rule: a ``VerifyRule`` (a rule's name is converted): ``GREEDY`` (argmax matching),
+        ``MATCH`` or ``REJECTION``.
       max_depth: depth limit of the tree (``TreeConfig.max_depth``).
-      sampled: the builder drew children without replacement from the Proposal (``sample=True``),
-        rather than taking the deterministic top-``branch``.
-      keys: ``[B]`` per-row PRNG keys already folded by request seed and round (sampling only);
+      keys: ``[B]`` per-row PRNG keys already folded by request seed and round (sampling rules);
         the rules fold in ``streams.STREAM_ACCEPT`` and ``streams.STREAM_RESIDUAL``.
-      temp, top_p: ``[B]`` float per-row temperature and nucleus mass (sampling only); rows with
-        ``temp = 0`` follow the greedy rule, so greedy and sampled requests can share a batch.
+      temp, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass (sampling rules).
       proposal: the round's Proposal (rejection only).
       anchor: ``[B]`` int32 anchor tokens (rejection only: the Markov parent of depth-1 children).
       branch: most children per node (rejection only): children of sibling rank ≥ ``branch``
@@ -52,25 +47,20 @@ def accept(tree: DraftTree, logits: Float[Array, "B T V"], *, greedy: bool, rule
 
     Raises:
       ValueError: if ``logits`` is not ``[B, N + 1, V]`` for the tree's ``[B, N]``; if ``rule`` is
-        unknown; if sampling without ``keys``/``temp``/``top_p``; if the rejection rule is asked
-        for a tree without sampled children, without a Proposal or anchor, or with a Proposal
-        shallower than ``max_depth``.
+        unknown; if a sampling rule lacks ``keys``/``temp``/``top_p``; if the rejection rule lacks
+        the Proposal or anchor, or has a Proposal shallower than ``max_depth``.
     """
     batch, budget = tree.tokens.shape
     if logits.ndim != 3 or logits.shape[:2] != (batch, budget + 1):
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match a tree of shape "
                          f"{(batch, budget)}; expected ({batch}, {budget + 1}, V).")
-    if rule not in VERIFY_RULES:
-        raise ValueError(f"verify rule {rule!r} is unknown; expected one of {VERIFY_RULES}.")
-    if greedy:
+    rule = parse_enum(VerifyRule, rule, "verify rule")
+    if rule is VerifyRule.GREEDY:
         return accept_greedy(tree, logits, max_depth)
     if keys is None or temp is None or top_p is None:
         raise ValueError("sampled verification needs per-row keys, temp and top_p.")
-    if rule == "match":
+    if rule is VerifyRule.MATCH:
         return accept_match(tree, logits, keys, temp, top_p, max_depth)
-    if not sampled:
-        raise ValueError("the rejection rule needs sampled children; build the tree with "
-                         "sample=True or use the match rule.")
     if proposal is None or anchor is None:
         raise ValueError("the rejection rule needs the round's Proposal and anchor tokens.")
     if proposal.block_size < max_depth:

@@ -54,8 +54,7 @@ def accept_match(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyAr
       logits: ``[B, N + 1, V]`` float verification logits (row 0 = anchor, row ``i + 1`` = node ``i``).
       keys: ``[B]`` per-row PRNG keys already folded by request seed and round; the rule folds
         in ``STREAM_ACCEPT`` (which child) and ``STREAM_RESIDUAL`` (the bonus) itself.
-      temp, top_p: ``[B]`` float per-row temperature (``0`` = greedy row: argmax target) and
-        nucleus mass.
+      temp, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass.
       max_depth: static depth limit of the tree.
 
     Returns:

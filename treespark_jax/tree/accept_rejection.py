@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from treespark_jax.sampling import processed_logprobs
-from treespark_jax.tree.accept_match import match_node_probs
 from treespark_jax.tree.acceptance import Acceptance, sampled_walk
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.tree.proposal import Proposal, child_logits, child_pool_ids
@@ -172,10 +171,8 @@ def accept_rejection(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGK
     """Recursive-rejection verification of a tree whose children were sampled from the Proposal.
 
     Only valid for trees whose children were drawn without replacement from the processed draft
-    distribution by a non-anticipating builder (DESIGN.md §1.2); ``tree.accept.accept`` refuses the
-    combination with deterministic top-``branch`` children. Rows with ``temp = 0`` (whose
-    builder took the top-``branch`` children) are verified by the greedy rule instead: with a
-    one-hot target the match kernel is exactly that.
+    distribution by a non-anticipating builder (DESIGN.md §1.2; ``build_tree`` with the rejection
+    rule).
 
     Args:
       tree: ``[B, N]`` draft trees with sampled children.
@@ -183,8 +180,8 @@ def accept_rejection(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGK
       keys: ``[B]`` per-row PRNG keys already folded by request seed and round; the rule folds in
         ``STREAM_ACCEPT`` (acceptance tests) and ``STREAM_RESIDUAL`` (the bonus) itself. The
         builder must draw with ``STREAM_DRAFT`` folded into the same keys.
-      temp, top_p: ``[B]`` float per-row temperature (``0`` = greedy row) and nucleus mass, shared
-        by target and draft.
+      temp, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass, shared by target
+        and draft.
       proposal: the round's Proposal (``block_size ≥ max_depth``).
       anchor: ``[B]`` int32 anchor tokens.
       max_depth: static depth limit of the tree.
@@ -196,12 +193,8 @@ def accept_rejection(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGK
       The rows' ``Acceptance``.
     """
     k = tree.budget if branch is None else min(branch, tree.budget)
-    greedy_rows = (jnp.asarray(temp) <= 0)[:, None]
-    warm_temp = jnp.where(greedy_rows[:, 0], 1, temp)
 
     def node_probs(node, target, children):
-        sampled = rejection_node_probs(tree, proposal, anchor, target, node, children, warm_temp, top_p, k)
-        greedy = match_node_probs(tree, target, children)
-        return tuple(jnp.where(greedy_rows, g, s) for g, s in zip(greedy, sampled))
+        return rejection_node_probs(tree, proposal, anchor, target, node, children, temp, top_p, k)
 
     return sampled_walk(tree, logits, keys, temp, top_p, max_depth, node_probs)

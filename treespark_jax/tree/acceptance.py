@@ -78,9 +78,7 @@ def sampled_walk(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyAr
     node at depth ``t`` (row ``node + 1`` of ``logits``), takes its processed target
     distribution, asks ``node_probs`` for the exact decision distribution over its children and
     stops, and draws it. Finished rows idle through the remaining steps, which do no work once
-    every row has finished. A row with ``temp = 0``
-    (a greedy request batched into a sampling program) gets the one-hot argmax as its target,
-    which makes every sampled rule reduce to the greedy rule for it.
+    every row has finished.
 
     Args:
       tree: ``[B, N]`` draft trees.
@@ -90,7 +88,7 @@ def sampled_walk(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyAr
       keys: ``[B]`` per-row PRNG keys for this round. The decision at depth ``t`` uses
         ``uniform(fold_in(fold_in(key, STREAM_ACCEPT), t))``; the bonus uses
         ``fold_in(key, STREAM_RESIDUAL)``.
-      temp, top_p: ``[B]`` float per-row temperature (``0`` = greedy row) and nucleus mass.
+      temp, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass.
       max_depth: static deepest node depth considered.
       node_probs: the rule's kernel ``(node [B], target [B, V], children [B, N] bool) ->
         (child_prob [B, N], bonus_prob [B, V])``: the probability of descending into each
@@ -104,14 +102,11 @@ def sampled_walk(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyAr
     accept_keys = purpose_keys(keys, STREAM_ACCEPT)
     residual_keys = purpose_keys(keys, STREAM_RESIDUAL)
     depth_slots = jnp.arange(max_depth, dtype=jnp.int32)
-    greedy_rows = (jnp.asarray(temp) <= 0)[:, None]
-    warm_temp = jnp.where(greedy_rows[:, 0], 1, temp)
 
     def advance(t, carry):
         node, done, path, stop_prob = carry
         row_logits = jnp.take_along_axis(logits, (node + 1)[:, None, None], axis=1)[:, 0].astype(dtype)
-        top = jax.nn.one_hot(jnp.argmax(row_logits, axis=-1), row_logits.shape[-1], dtype=dtype)
-        target = jnp.where(greedy_rows, top, jnp.exp(processed_logprobs(row_logits, warm_temp, top_p)))
+        target = jnp.exp(processed_logprobs(row_logits, temp, top_p))
         child_prob, bonus_prob = node_probs(node, target, children_of(tree, node, max_depth))
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, t), dtype=dtype))(accept_keys)
         # Invert the decision's CDF over children in slot order; mass beyond it means "stop".

@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from treespark_jax.tree.arrays import DraftTree
-from treespark_jax.tree.children import depth_marginals, offer_children
+from treespark_jax.config import Builder
+from treespark_jax.tree.children import offer_children, survival_model
 from treespark_jax.tree.proposal import Proposal
 from treespark_jax.typing import Array, Float, Int
 
 
 def best_first(proposal: Proposal, anchor_token: Int[Array, "B"], *, budget: int, max_depth: int,
-               branch: int, builder: str, temp: Float[Array, "B"], top_p: Float[Array, "B"],
+               branch: int, builder: Builder, temp: Float[Array, "B"], top_p: Float[Array, "B"],
                gumbel: Float[Array, "B N M"] | None) -> DraftTree:
     """Builds ``[B, N]`` draft trees by best-first admission (traceable; see ``build_tree``).
 
@@ -33,11 +34,11 @@ def best_first(proposal: Proposal, anchor_token: Int[Array, "B"], *, budget: int
       budget: static N, node slots.
       max_depth: static deepest depth.
       branch: static most children per node.
-      builder: static survival model, one of ``config.BUILDERS``.
+      builder: static ``Builder``: the survival model (``tree/children.py``).
       temp, top_p: ``[B]`` float per-row settings.
       gumbel: ``[B, N, M]`` float standard Gumbel noise, row ``n`` reserved for the children of the
         node expanded ``n``-th (0 = the anchor, ``n ≥ 1`` = tree node ``n − 1``), or ``None`` for
-        deterministic children. Rows with ``temp = 0`` ignore it.
+        deterministic children.
 
     Returns:
       A ``DraftTree`` in admission order; valid nodes form a prefix of the slots.
@@ -46,7 +47,7 @@ def best_first(proposal: Proposal, anchor_token: Int[Array, "B"], *, budget: int
     n, k = budget, min(branch, m)
     dtype = jnp.result_type(proposal.pool_logits.dtype, jnp.float32)
     neg_inf = jnp.array(-jnp.inf, dtype)
-    marginals = depth_marginals(proposal, temp, top_p) if builder == "marginal" else None
+    survival = survival_model(proposal, builder, temp, top_p)
     slot_ids = jnp.arange(n + 1)
     rows = jnp.arange(b)
 
@@ -71,8 +72,8 @@ def best_first(proposal: Proposal, anchor_token: Int[Array, "B"], *, budget: int
         # Expand node i (admitted at step i - 1, or the anchor) into its K child slots.
         depth_i, score_i = s["depth"][:, i], s["score"][:, i]
         noise = None if gumbel is None else gumbel[:, i]
-        kids, priority = offer_children(proposal, builder, jnp.minimum(depth_i + 1, p), s["token"][:, i],
-                                        score_i, temp, top_p, branch, noise, marginals)
+        kids, priority = offer_children(proposal, survival, jnp.minimum(depth_i + 1, p), s["token"][:, i],
+                                        score_i, temp, top_p, branch, noise)
         expandable = jnp.isfinite(score_i) & (depth_i < max_depth)
         priority = jnp.where(expandable[:, None], priority, neg_inf)
         s = dict(s)

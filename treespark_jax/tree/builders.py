@@ -1,6 +1,6 @@
 """``build_tree``: the one entry point from a Proposal to a static-shape DraftTree (DESIGN.md §1.2).
 
-Builders (``TreeConfig.builder``), all one best-first search (``tree/best_first.py``) with a
+Builders (``config.Builder``), all one best-first search (``tree/best_first.py``) with a
 different survival model (``tree/children.py``):
 
 - ``chain``: one child per node, the top-1 (or sampled) child at each depth, ``min(N, max_depth)``
@@ -12,9 +12,9 @@ different survival model (``tree/children.py``):
   children under ``q`` (PCTree-style, with the Markov head of DSpark).
 - ``treespark``: best-first over ``Σ log`` calibrated edge survival (TreeSpark edge head).
 
-Children are deterministic (top-``branch``) for greedy decoding and the match rule, or sampled
-without replacement from ``q`` for recursive rejection (SpecInfer §4; RSD, Jeon et al. 2024),
-with non-anticipating admission (DSpark Appendix A).
+Children are deterministic (top-``branch``) for the greedy and match rules, or sampled without
+replacement from ``q`` for recursive rejection (SpecInfer §4; RSD, Jeon et al. 2024), with
+non-anticipating admission (DSpark Appendix A).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from treespark_jax.config import TreeConfig
+from treespark_jax.config import TreeConfig, VerifyRule, parse_enum
 from treespark_jax.streams import STREAM_DRAFT, purpose_keys
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.tree.best_first import best_first
@@ -49,9 +49,9 @@ def draft_gumbel(keys: PRNGKeyArray, budget: int, pool_size: int, dtype) -> Floa
         purpose_keys(keys, STREAM_DRAFT))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sample"))
-def build_tree(proposal: Proposal, anchor_token: Int[Array, "B"], cfg: TreeConfig, *,
-               temp: Float[Array, "B"] | float, top_p: Float[Array, "B"] | float, sample: bool,
+@functools.partial(jax.jit, static_argnames=("cfg", "rule"))
+def build_tree(proposal: Proposal, anchor_token: Int[Array, "B"], cfg: TreeConfig, *, rule: VerifyRule,
+               temp: Float[Array, "B"] | float = 1.0, top_p: Float[Array, "B"] | float = 1.0,
                keys: PRNGKeyArray | None = None) -> DraftTree:
     """Builds the round's draft trees: exactly ``cfg.budget`` node slots per row, in admission order.
 
@@ -65,39 +65,44 @@ def build_tree(proposal: Proposal, anchor_token: Int[Array, "B"], cfg: TreeConfi
     known before the node's own token is drawn; ``exp(score)`` feeds the cost-aware stop
     (``tree.verify_size``).
 
-    Deterministic children (``sample=False``, or rows with ``temp = 0``) are a node's
-    top-``branch`` by survival, and the search is exact best-first: the first ``n`` nodes are the
-    ``n`` highest-scoring nodes reachable through top-``branch`` edges. Sampled children
-    (``sample=True``, rows with ``temp > 0``) are drawn without replacement from the processed
-    draft distribution, ``sibling_rank`` = draw order, and a child slot's admission depends only
-    on its parent, its rank and the earlier draws (see ``tree/children.py``), as recursive
-    rejection requires.
+    Deterministic children (rules ``GREEDY`` and ``MATCH``) are a node's top-``branch`` by
+    survival, and the search is exact best-first: the first ``n`` nodes are the ``n``
+    highest-scoring nodes reachable through top-``branch`` edges. Sampled children (rule
+    ``REJECTION``) are drawn without replacement from the processed draft distribution,
+    ``sibling_rank`` = draw order, and a child slot's admission depends only on its parent, its
+    rank and the earlier draws (see ``tree/children.py``), as recursive rejection requires. The
+    greedy rule ranks and scores children under the draft distribution at temperature 1 without a
+    nucleus (``temp`` and ``top_p`` are not read).
 
     Args:
       proposal: the round's Proposal (``pool_ids [B, P, M]``).
       anchor_token: ``[B]`` int32 last committed token of each row (parent of depth-1 nodes).
       cfg: static ``TreeConfig`` (``budget`` N, ``max_depth``, ``branch``, ``builder``).
-      temp: ``[B]`` float (or a scalar for every row) temperature; ``0`` = greedy.
+      rule: static ``VerifyRule`` the tree will be verified with (``RoundPlan.rule``).
+      temp: ``[B]`` float (or a scalar for every row) temperature ``> 0`` (sampling rules).
       top_p: ``[B]`` float (or scalar) nucleus mass in ``(0, 1]``, shared with the target.
-      sample: static; draw children without replacement (for the recursive-rejection rule).
       keys: ``[B]`` per-row PRNG keys, the same the acceptance rule receives (the builder folds
-        in ``STREAM_DRAFT``); required when ``sample``.
+        in ``STREAM_DRAFT``); required by the rejection rule.
 
     Returns:
       A ``DraftTree`` with ``[B, N]`` arrays; ``score`` is float32 (float64 for a float64 proposal).
 
     Raises:
-      ValueError: if ``cfg.max_depth`` exceeds the proposal's block size, or ``sample`` without keys.
+      ValueError: if ``cfg.max_depth`` exceeds the proposal's block size, or the rejection rule
+        without keys.
     """
     b, p, m = proposal.pool_ids.shape
     if cfg.max_depth > p:
         raise ValueError(f"max_depth={cfg.max_depth} exceeds the proposal's block size {p}.")
+    rule = parse_enum(VerifyRule, rule, "verify rule")
+    sample = rule is VerifyRule.REJECTION
     if sample and keys is None:
-        raise ValueError("sample=True draws children at random and needs per-row keys.")
+        raise ValueError("the rejection rule draws children at random and needs per-row keys.")
     dtype = jnp.result_type(proposal.pool_logits.dtype, jnp.float32)
+    if rule is VerifyRule.GREEDY:
+        temp, top_p = 1.0, 1.0
     temp = jnp.broadcast_to(jnp.asarray(temp, dtype), (b,))
     top_p = jnp.broadcast_to(jnp.asarray(top_p, dtype), (b,))
     gumbel = draft_gumbel(keys, cfg.budget, m, dtype) if sample else None
-    return best_first(proposal, anchor_token, budget=cfg.budget, max_depth=cfg.max_depth,
-                      branch=1 if cfg.builder == "chain" else cfg.branch, builder=cfg.builder,
-                      temp=temp, top_p=top_p, gumbel=gumbel)
+    return best_first(proposal, anchor_token, budget=cfg.budget, max_depth=cfg.max_depth, branch=cfg.branch,
+                      builder=cfg.builder, temp=temp, top_p=top_p, gumbel=gumbel)

@@ -15,12 +15,12 @@ Every best-first builder (DESIGN.md §1.2) is the same search with a different *
   under every verify rule, so the events are exclusive (DESIGN.md asks for it at ``temp = 0``;
   a calibrated head already satisfies it, so it only guards against an uncalibrated one).
 
-``q`` is always ``processed_logprobs(child_logits(...), temp, top_p)`` (for a ``temp = 0`` row:
-the raw softmax), i.e. exactly the law the recursive-rejection verifier recomputes; tokens
-outside its support are never offered.
+``q`` is always ``processed_logprobs(child_logits(...), temp, top_p)`` (for the greedy rule at
+temperature 1 without a nucleus), i.e. exactly the law the recursive-rejection verifier
+recomputes; tokens outside its support are never offered.
 
 Deterministic children (greedy and match rule) are the node's top-``branch`` by ``s``, with
-priority ``score(u) + log s(x)``. Sampled children (recursive rejection, ``temp > 0``) are drawn
+priority ``score(u) + log s(x)``. Sampled children (recursive rejection) are drawn
 without replacement from ``q`` by Gumbel-top-k, which is exactly sequential sampling without
 replacement in draw order (Kool et al. 2019, "Stochastic Beams and Where to Find Them"; the
 draft side of SpecInfer §4 and Recursive Speculative Decoding, Jeon et al. 2024). Their
@@ -38,31 +38,31 @@ siblings. If the target's token ``y`` behaved like a draw from ``s``, it is
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
+from treespark_jax.config import Builder
 from treespark_jax.sampling import processed_logprobs
 from treespark_jax.tree.proposal import Proposal, child_logits, confidence_logits, edge_logits
 from treespark_jax.typing import Array, Float, Int
 
 
-def row_logprobs(logits: Float[Array, "... M"], temp: Float[Array, "..."], top_p: Float[Array, "..."]
-                 ) -> Float[Array, "... M"]:
-    """``processed_logprobs`` where ``temp > 0``; the raw log-softmax where ``temp = 0``.
-
-    ``temp = 0`` rows only need a ranking and a survival estimate, so they are processed at
-    temperature 1 without a nucleus.
+def pool_logprobs(logits: Float[Array, "... M"], temp: Float[Array, "..."], top_p: Float[Array, "..."]
+                  ) -> Float[Array, "... M"]:
+    """``processed_logprobs`` of a pool's logits, ``-inf`` outside its candidates.
 
     Args:
       logits: ``[..., M]`` float logits (``-inf`` for non-candidates).
-      temp: ``[...]`` float temperature.
+      temp: ``[...]`` float temperature ``> 0`` (``build_tree`` passes 1 for the greedy rule).
       top_p: ``[...]`` float nucleus mass.
 
     Returns:
       ``[..., M]`` float log-probabilities, ``-inf`` outside the support.
     """
-    sampling = temp > 0
-    logp = processed_logprobs(logits, jnp.where(sampling, temp, 1), jnp.where(sampling, top_p, 1))
+    logp = processed_logprobs(logits, temp, top_p)
     # A pool with no candidate normalises to NaN; it offers nothing.
     return jnp.where(jnp.isfinite(logits), logp, -jnp.inf)
 
@@ -75,68 +75,67 @@ def draft_logprobs(proposal: Proposal, depth: Int[Array, "B"], parent_token: Int
       proposal: the round's Proposal.
       depth: ``[B]`` int32 depth of the children (``1..P``).
       parent_token: ``[B]`` int32 token of their parent (the anchor for depth 1).
-      temp: ``[B]`` float temperature; ``temp = 0`` rows get the raw softmax.
+      temp: ``[B]`` float temperature ``> 0``.
       top_p: ``[B]`` float nucleus mass.
 
     Returns:
-      ``[B, M]`` float log-probabilities in the proposal's dtype, ``-inf`` outside the support;
-      for rows with ``temp > 0`` exactly what the recursive-rejection verifier recomputes,
+      ``[B, M]`` float log-probabilities in the proposal's dtype, ``-inf`` outside the support:
+      exactly what the recursive-rejection verifier recomputes,
       ``processed_logprobs(child_logits(...), temp, top_p)``.
     """
     logits = child_logits(proposal, depth[:, None], parent_token[:, None])[:, 0]
-    return row_logprobs(logits, temp, top_p)
+    return pool_logprobs(logits, temp, top_p)
 
 
-def depth_marginals(proposal: Proposal, temp: Float[Array, "B"], top_p: Float[Array, "B"]
-                    ) -> Float[Array, "B P M"]:
-    """``log softmax(U_j)`` of every depth, processed like ``q``: the ``marginal`` survival model.
+@dataclasses.dataclass(frozen=True)
+class SurvivalModel:
+    """A builder's survival model over one node's pool, chosen once per build (module doc).
 
-    It does not depend on the parent, so a build computes it once instead of once per node.
-
-    Args:
-      proposal: the round's Proposal.
-      temp, top_p: ``[B]`` float per-row settings.
-
-    Returns:
-      ``[B, P, M]`` float log-probabilities, ``-inf`` outside the support.
+    Attributes:
+      log_survival: ``(depth [B], parent_token [B], logq [B, M]) -> [B, M]`` float ``log s(x | u)``,
+        ``≤ 0``, ``-inf`` wherever ``logq`` is.
+      rank_by_q: deterministic children are the top by ``q`` rather than by ``s`` (a chain,
+        whose survival may come from a confidence head).
     """
-    shape = proposal.pool_logits.shape[:2]
-    return row_logprobs(proposal.pool_logits, jnp.broadcast_to(temp[:, None], shape),
-                        jnp.broadcast_to(top_p[:, None], shape))
+
+    log_survival: Callable[[Int[Array, "B"], Int[Array, "B"], Float[Array, "B M"]], Float[Array, "B M"]]
+    rank_by_q: bool = False
 
 
-def log_survival(proposal: Proposal, builder: str, depth: Int[Array, "B"], parent_token: Int[Array, "B"],
-                 logq: Float[Array, "B M"], marginals: Float[Array, "B P M"] | None) -> Float[Array, "B M"]:
-    """``log s(x | u)``, the builder's survival model over one node's pool (see the module doc).
+def survival_model(proposal: Proposal, builder: Builder, temp: Float[Array, "B"], top_p: Float[Array, "B"]
+                   ) -> SurvivalModel:
+    """The survival model of ``builder`` for this round's proposal (traceable; ``builder`` static).
 
-    Args:
-      proposal: the round's Proposal.
-      builder: static, one of ``config.BUILDERS``.
-      depth: ``[B]`` int32 depth of the children.
-      parent_token: ``[B]`` int32 token of the parent.
-      logq: ``[B, M]`` float ``draft_logprobs`` of the same children.
-      marginals: ``[B, P, M]`` float ``depth_marginals`` (needed by ``marginal`` only).
-
-    Returns:
-      ``[B, M]`` float log survivals, ``≤ 0``, ``-inf`` wherever ``logq`` is.
-
-    Raises:
-      ValueError: for an unknown builder.
+    The ``marginal`` model's per-depth marginals do not depend on the parent, so they are
+    computed here once per build (processed like ``q``).
     """
-    if builder == "chain" and proposal.has_confidence:
-        conf = confidence_logits(proposal, depth[:, None], parent_token[:, None])  # [B, 1]
-        return jnp.where(jnp.isfinite(logq), jax.nn.log_sigmoid(conf), -jnp.inf)
-    if builder in ("chain", "parent_conditioned"):
-        return logq
-    if builder == "marginal":
-        at_depth = jnp.take_along_axis(marginals, (depth - 1)[:, None, None], axis=1)[:, 0]
-        return jnp.where(jnp.isfinite(logq), at_depth, -jnp.inf)
-    if builder == "treespark":
-        edge = edge_logits(proposal, depth[:, None], parent_token[:, None])[:, 0]
-        ls = jnp.where(jnp.isfinite(logq), jax.nn.log_sigmoid(edge), -jnp.inf)
+    builder = Builder(builder)
+    if builder is Builder.CHAIN:
+        if not proposal.has_confidence:
+            return SurvivalModel(lambda depth, parent, logq: logq, rank_by_q=True)
+
+        def confidence(depth, parent, logq):
+            conf = confidence_logits(proposal, depth[:, None], parent[:, None])  # [B, 1]
+            return jnp.where(jnp.isfinite(logq), jax.nn.log_sigmoid(conf), -jnp.inf)
+        return SurvivalModel(confidence, rank_by_q=True)
+    if builder is Builder.PARENT_CONDITIONED:
+        return SurvivalModel(lambda depth, parent, logq: logq)
+    if builder is Builder.MARGINAL:
+        shape = proposal.pool_logits.shape[:2]
+        marginals = pool_logprobs(proposal.pool_logits, jnp.broadcast_to(temp[:, None], shape),
+                                  jnp.broadcast_to(top_p[:, None], shape))  # [B, P, M]
+
+        def marginal(depth, parent, logq):
+            at_depth = jnp.take_along_axis(marginals, (depth - 1)[:, None, None], axis=1)[:, 0]
+            return jnp.where(jnp.isfinite(logq), at_depth, -jnp.inf)
+        return SurvivalModel(marginal)
+
+    def edge(depth, parent, logq):
+        ls = jnp.where(jnp.isfinite(logq), jax.nn.log_sigmoid(edge_logits(proposal, depth[:, None],
+                                                                           parent[:, None])[:, 0]), -jnp.inf)
         total = jax.nn.logsumexp(ls, axis=-1, keepdims=True)
         return ls - jnp.maximum(total, 0)
-    raise ValueError(f"builder {builder!r} has no survival model.")
+    return SurvivalModel(edge)
 
 
 def sampled_slot_log_survival(logq: Float[Array, "B M"], log_s: Float[Array, "B M"],
@@ -170,23 +169,22 @@ def sampled_slot_log_survival(logq: Float[Array, "B M"], log_s: Float[Array, "B 
     return jnp.where(ok, jnp.log(num) - jnp.log(jnp.where(ok, rem, 1)), -jnp.inf)
 
 
-def offer_children(proposal: Proposal, builder: str, depth: Int[Array, "B"], parent_token: Int[Array, "B"],
-                   parent_score: Float[Array, "B"], temp: Float[Array, "B"], top_p: Float[Array, "B"],
-                   branch: int, gumbel: Float[Array, "B M"] | None, marginals: Float[Array, "B P M"] | None
+def offer_children(proposal: Proposal, survival: SurvivalModel, depth: Int[Array, "B"],
+                   parent_token: Int[Array, "B"], parent_score: Float[Array, "B"], temp: Float[Array, "B"],
+                   top_p: Float[Array, "B"], branch: int, gumbel: Float[Array, "B M"] | None
                    ) -> tuple[Int[Array, "B K"], Float[Array, "B K"]]:
     """The ``K = min(branch, M)`` child slots of one node per row, in sibling order.
 
     Args:
       proposal: the round's Proposal.
-      builder: static, one of ``config.BUILDERS``.
+      survival: the builder's ``SurvivalModel`` (``survival_model``).
       depth: ``[B]`` int32 depth of the children (``1..P``).
       parent_token: ``[B]`` int32 token of the node being expanded.
       parent_score: ``[B]`` float its score (log survival; 0 for the anchor).
       temp, top_p: ``[B]`` float per-row settings.
       branch: static most children per node.
       gumbel: ``[B, M]`` float standard Gumbel noise reserved for this node, or ``None`` for
-        deterministic children. Rows with ``temp = 0`` get deterministic children either way.
-      marginals: ``[B, P, M]`` float ``depth_marginals`` for the ``marginal`` builder, else ``None``.
+        deterministic children.
 
     Returns:
       ``(pool_index [B, K] int32, priority [B, K] float)``: slot ``k``'s pool index (deterministic:
@@ -196,15 +194,10 @@ def offer_children(proposal: Proposal, builder: str, depth: Int[Array, "B"], par
       chain).
     """
     logq = draft_logprobs(proposal, depth, parent_token, temp, top_p)
-    log_s = log_survival(proposal, builder, depth, parent_token, logq, marginals)
+    log_s = survival.log_survival(depth, parent_token, logq)
     k = min(branch, logq.shape[-1])
-    # A chain ranks its children by q even when its survival comes from a confidence head.
-    best = jax.lax.top_k(logq if builder == "chain" else log_s, k)[1]
-    best_s = jnp.take_along_axis(log_s, best, axis=1)
     if gumbel is None:
-        return best, parent_score[:, None] + best_s
+        best = jax.lax.top_k(logq if survival.rank_by_q else log_s, k)[1]
+        return best, parent_score[:, None] + jnp.take_along_axis(log_s, best, axis=1)
     drawn = jax.lax.top_k(logq + gumbel, k)[1]
-    sampling = (temp > 0)[:, None]
-    pool_index = jnp.where(sampling, drawn, best)
-    slot_s = jnp.where(sampling, sampled_slot_log_survival(logq, log_s, drawn), best_s)
-    return pool_index, parent_score[:, None] + slot_s
+    return drawn, parent_score[:, None] + sampled_slot_log_survival(logq, log_s, drawn)

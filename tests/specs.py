@@ -1,0 +1,13 @@
+"""Speculative settings for tests that pair a test proposer with a tree directly (no method)."""
+
+from __future__ import annotations
+
+from treespark_jax.config import TreeConfig
+from treespark_jax.decode.plan import Speculation
+
+
+def spec(proposer, tree: TreeConfig, *, verify: str = "rejection", stop: bool = False,
+         skip: bool = False) -> Speculation:
+    """``Speculation(proposer, tree, ...)`` with every policy stated by the test: the rejection
+    rule when sampling, the cost-aware stop and draft skipping off unless asked for."""
+    return Speculation(proposer, tree, verify=verify, cost_aware_stop=stop, skip_drafting=skip)
