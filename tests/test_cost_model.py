@@ -328,10 +328,10 @@ def test_the_stop_reads_the_raw_medians_for_deterministic_trees_and_the_fit_for_
     cost = CostModel.fit((64, 256), (2, 3, 5, 9), [[41.0, 48.0, 61.0, 70.0], [48.0, 51.0, 66.0, 72.0]], [12.0, 10.0])
     spec = Speculation(None, TreeConfig(budget=8, max_depth=4, branch=2), verify="rejection",
                        cost_aware_stop=True, skip_drafting=False)
-    assert plan_round(spec, 1.0, cost).ladder == (1, 2, 4, 8)
+    assert plan_round(spec, False, cost).ladder == (1, 2, 4, 8)
     raw, fit = [41.0, 48.0, 61.0, 70.0], cost.verify_cost((1, 2, 4, 8), 64)
     assert not np.allclose(raw, fit)
-    np.testing.assert_allclose(plan_round(spec, 0.0, cost).stop_verify_cost(64), raw)
+    np.testing.assert_allclose(plan_round(spec, True, cost).stop_verify_cost(64), raw)
     match = dataclasses.replace(spec, verify="match")  # deterministic children at temp > 0
-    np.testing.assert_allclose(plan_round(match, 1.0, cost).stop_verify_cost(64), raw)
-    np.testing.assert_allclose(plan_round(spec, 1.0, cost).stop_verify_cost(64), fit)
+    np.testing.assert_allclose(plan_round(match, False, cost).stop_verify_cost(64), raw)
+    np.testing.assert_allclose(plan_round(spec, False, cost).stop_verify_cost(64), fit)

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from treespark_jax.config import DrafterConfig, TreeConfig, default_layer_ids
-from treespark_jax.decode import engine as engine_mod
+from treespark_jax.decode import jitted
 from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.block_proposer import BlockProposer
@@ -348,8 +348,9 @@ def test_context_after_real_rounds_is_the_committed_sequence(x64):
     eng = Engine(target, stop_ids=[])
     prompts = [[1, 2, 3, 4, 5], [6, 7], [3]]
     ar, _ = eng.generate(prompts, 60)
-    state, requests = eng.start(prompts, 60, 0.0, 1.0, 0, spec)
-    state = eng.run(state, requests, 12, 0.0, spec)
+    session = eng.session(spec, greedy=True)
+    state, requests = session.start(prompts, 60, 0.0, 1.0, 0)
+    state = session.run(state, requests, 12)
     gen, ctx, stats = jax.device_get((state.gen, state.proposer.context, state.stats))
     assert ctx.lengths[:3].tolist() == gen.cache.lengths[:3].tolist()
     assert stats.depth_accepted[:3, 1].sum() > 0  # some round committed three tokens or more
@@ -370,12 +371,12 @@ def test_one_program_per_budget_for_a_generation_with_the_drafter(target64):
     proposer = BlockProposer.create(make_drafter(target64, block_size=6), target64)
     spec = speculation(proposer, TreeConfig(budget=8, max_depth=6, branch=4, builder="treespark"), stop=True)
     eng.generate([[3, 1, 4]], 128, spec=spec)
-    before = engine_mod._spec_program.cache_size()
+    before = jitted.spec_program.cache_size()
     ids, stats = eng.generate([[2, 7, 1, 8, 2]], 128, spec=spec)
     assert len(ids[0]) == 128 and stats.compiles == 0
     eng.generate([[2, 7, 1, 8, 2]], 128, spec=speculation(proposer, TreeConfig(
         budget=16, max_depth=6, branch=4, builder="treespark"), stop=True))
-    assert engine_mod._spec_program.cache_size() == before + 1
+    assert jitted.spec_program.cache_size() == before + 1
 
 
 def test_warm_start_copies_the_named_target_layers(target32):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from treespark_jax.decode import engine as engine_mod
+from treespark_jax.decode import jitted
 from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.models.kv_cache import KVCache
@@ -70,20 +70,22 @@ def test_max_new_tokens_is_exact(model, n):
 def test_decode_loop_compiles_once_for_256_tokens_and_prefill_once_per_bucket(model):
     eng = Engine(model, stop_ids=[])
     eng.generate([[3, 1, 4]], 256)  # warm: one prefill and one loop program for these buckets
-    prefill_before = engine_mod._prefill_program.cache_size()
-    loop_before = engine_mod._ar_program.cache_size()
+    prefill_before = jitted.prefill_program.cache_size()
+    loop_before = jitted.ar_program.cache_size()
     ids, stats = eng.generate([[2, 7, 1, 8, 2, 8]], 256)  # other length, same prompt bucket
     assert len(ids[0]) == 256 and stats.target_forwards == 256
     assert stats.compiles == 0
-    assert engine_mod._prefill_program.cache_size() == prefill_before
-    assert engine_mod._ar_program.cache_size() == loop_before
+    assert jitted.prefill_program.cache_size() == prefill_before
+    assert jitted.ar_program.cache_size() == loop_before
 
 
 def test_warmup_compiles_ahead_so_requests_do_not(model):
     eng = Engine(model, stop_ids=[])
-    eng.warmup(batch=2, prompt_len=40, max_new_tokens=30, temp=0.5)
-    _, stats = eng.generate([[1] * 33, [2] * 50], 30, temp=0.5)  # same buckets: 2 rows, 64, 32
+    session = eng.session(greedy=False)
+    assert session.warmup(batch=2, prompt_len=40, max_new_tokens=30) == 2  # prefill and loop, from shapes
+    _, stats = session.generate([[1] * 33, [2] * 50], 30, temp=0.5)  # same buckets: 2 rows, 64, 32
     assert stats.compiles == 0
+    assert session.warmup(batch=2, prompt_len=40, max_new_tokens=30) == 0
 
 
 def test_sampling_row_does_not_depend_on_its_batch(model):

@@ -122,7 +122,7 @@ def test_the_cost_aware_stop_follows_the_recipe_unless_overridden(target64, ar_r
     assert not any(speculation(m, target64, 8, drafter=d, stop=False).cost_aware_stop for m, d in drafters.items())
     assert speculation("ddtree", target64, 8, drafter=drafters["ddtree"], stop=True).cost_aware_stop is True
     one = speculation("treespark", target64, 1, drafter=drafters["treespark"], stop=True)
-    assert plan_round(one, 0.0, DEFAULT_CPU_COST).ladder == (1,)  # N = 1: nothing to choose
+    assert plan_round(one, True, DEFAULT_CPU_COST).ladder == (1,)  # N = 1: nothing to choose
     assert speculation("prompt_lookup", target64, 8, stop=False).cost_aware_stop is False
     assert speculation("prompt_lookup", target64, 8, builder="treespark").cost_aware_stop is False  # nothing to stop on
     # Without the stop every round verifies the whole budget; greedy output stays AR's.

@@ -123,7 +123,7 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     from specs import spec as speculation
     from tiny import SPEC_PROMPTS, tiny_decoder
     from treespark_jax.config import DrafterConfig, TrainConfig, TreeConfig
-    from treespark_jax.decode import engine as engine_mod
+    from treespark_jax.decode import jitted
     from treespark_jax.decode.engine import Engine
     from treespark_jax.drafter.block_proposer import BlockProposer
     from treespark_jax.drafter.model import BlockDrafter
@@ -151,11 +151,15 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
                                                                   stop=True))
     engine = Engine(target, stop_ids=[], mesh=make_mesh("data=2,model=4"))
     spec = speculation(BlockProposer.create(drafter, engine.model), tree, stop=True)
+    session = engine.session(spec, greedy=True)  # compiled ahead of time from shapes, on the mesh
+    warmed = session.warmup(batch=len(SPEC_PROMPTS), prompt_len=8, max_new_tokens=40)
+    warm_ids, warm_stats = session.generate(SPEC_PROMPTS, 40)
+    report["warmup"] = [warmed, warm_stats.compiles]
     ids, stats = engine.generate(SPEC_PROMPTS, 40, spec=spec)
-    report["spec_equal"] = ids == spec_one == ar
+    report["spec_equal"] = ids == warm_ids == spec_one == ar
     report["ar_equal"] = engine.generate(SPEC_PROMPTS, 40)[0] == ar
     report["tau"] = stats.tau
-    state, _ = engine.start(SPEC_PROMPTS, 40, 0.0, 1.0, 0, spec)
+    state, _ = engine.session(spec, greedy=True).start(SPEC_PROMPTS, 40, 0.0, 1.0, 0)
     wq = engine.weights["layers"][0]["wq"][...]
     def axes_of(x):  # trailing Nones dropped: jit outputs normalise them away
         axes = list(x.sharding.spec)
@@ -171,12 +175,12 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     # One program per maximum budget under sharding, whatever the generation length. 300 tokens
     # pass key widths 256 and 512 of a 640-slot cache (kv_cache.by_key_width) inside that program.
     engine.generate([[3, 1, 4]], 300, spec=spec)
-    before = engine_mod._spec_program.cache_size()
+    before = jitted.spec_program.cache_size()
     long_ids, long_stats = engine.generate([[2, 7, 1, 8, 2]], 300, spec=spec)
     report["long"] = [len(long_ids[0]), long_stats.compiles]
     engine.generate([[2, 7, 1, 8, 2]], 128, spec=speculation(spec.proposer, TreeConfig(
         budget=32, max_depth=6, branch=4, builder="treespark"), stop=True))
-    report["new_budget_programs"] = engine_mod._spec_program.cache_size() - before
+    report["new_budget_programs"] = jitted.spec_program.cache_size() - before
     report["long_equal"] = long_ids == one.generate([[2, 7, 1, 8, 2]], 300, spec=speculation(
         BlockProposer.create(drafter, target), tree, stop=True))[0]
 
@@ -186,6 +190,18 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     replies = [[r.token_ids for r in load(hf, "float64", mesh=m).generate(["tree", "spark!"], max_new_tokens=12)]
                for m in ("data=1", "data=2,model=4")]
     report["api_equal"] = replies[0] == replies[1]
+    # A second call with the same settings on the mesh: nothing compiled, bound or placed.
+    meshed = load(hf, "float64", mesh="data=2,model=4")
+    small = BlockDrafter(DrafterConfig(target_layer_ids=(0, 2), block_size=4, pool_size=8, markov_rank=4,
+                                       confidence_head=True), meshed.target.cfg, rngs=nnx.Rngs(1), dtype=jnp.float64)
+    settings = dict(max_new_tokens=12, method="dspark", budget=4, drafter=small)
+    meshed.generate("tree", **settings)
+    made = []
+    place, create = Engine.place, BlockProposer.create
+    Engine.place = lambda self, weights: made.append("place") or place(self, weights)
+    BlockProposer.create = lambda *args, **kwargs: made.append("bind") or create(*args, **kwargs)
+    report["api_again"] = [meshed.generate("tree", **settings).stats.compiles, made]
+    Engine.place, BlockProposer.create = place, create
     jax.config.update("jax_enable_x64", False)
 
     # Gradients and SGD steps, data=4 x model=2 against one device (float32).
@@ -286,6 +302,9 @@ def test_sharded_generation_and_training_equal_one_device(tmp_path, tiny_run):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # Token for token, with the batch over data=2 and heads/MLP over model=4 (2 kv heads: replicated).
     assert report["spec_equal"] and report["ar_equal"] and report["api_equal"], report
+    # Compiled ahead of time from shapes on the mesh: the request after it compiles nothing, and a
+    # second API call with the same settings compiles nothing, binds no drafter, places no weights.
+    assert report["warmup"] == [2, 0] and report["api_again"] == [0, []], report
     assert report["layouts"] == [[None, "model"], [], [None, "data"], [None, "data"], ["model"], ["data"]], report
     assert report["wq_shard"] == [48, 16], report  # 4 heads of 16 over 4 devices: one head each
     # A 300-token generation compiles nothing new and equals one device's; a new maximum budget

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from treespark_jax.config import TreeConfig
-from treespark_jax.decode import engine as engine_mod
+from treespark_jax.decode import jitted
 from treespark_jax.decode.commit import commit_path
 from treespark_jax.decode.cost_model import CostModel
 from treespark_jax.decode.engine import Engine
@@ -143,11 +143,12 @@ def test_a_skipping_loop_run_in_pieces_runs_the_same_rounds(model, ar_reference)
     finished before drafting again, so the rounds (and the output) match one whole call."""
     eng = Engine(model, stop_ids=[], cost=flat_cost(1e-3))
     spec = speculation(proposer("random"), TreeConfig(budget=16, max_depth=6, branch=4), stop=True, skip=True)
-    state, requests = eng.start(PROMPTS[:1], 40, 0.0, 1.0, 0, spec)
-    whole = eng.run(state, requests, 40, 0.0, spec)
-    state, requests = eng.start(PROMPTS[:1], 40, 0.0, 1.0, 0, spec)
+    session = eng.session(spec, greedy=True)
+    state, requests = session.start(PROMPTS[:1], 40, 0.0, 1.0, 0)
+    whole = session.run(state, requests, 40)
+    state, requests = session.start(PROMPTS[:1], 40, 0.0, 1.0, 0)
     for step in range(1, 41):
-        state = eng.run(state, requests, step, 0.0, spec)
+        state = session.run(state, requests, step)
     for s in (whole, state):
         assert s.gen.out[0, : int(s.gen.n_out[0])].tolist() == ar_reference[0]
     assert int(state.stats.skipped[0]) == int(whole.stats.skipped[0]) > 0
@@ -160,13 +161,13 @@ def test_one_program_per_budget_for_a_long_generation(model):
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
     spec = speculation(RandomProposer(V, 8, 48, 4), tree, stop=True)
     eng.generate([[3, 1, 4]], 256, spec=spec)
-    before = engine_mod._spec_program.cache_size()
+    before = jitted.spec_program.cache_size()
     ids, stats = eng.generate([[2, 7, 1, 8, 2]], 256, spec=spec)
     assert len(ids[0]) == 256 and stats.compiles == 0
     assert len([r for r in stats.rung_rounds if r]) >= 1
     eng.generate([[2, 7, 1, 8, 2]], 256, spec=speculation(spec.proposer, TreeConfig(
         budget=32, max_depth=6, branch=4, builder="treespark"), stop=True))
-    assert engine_mod._spec_program.cache_size() == before + 1
+    assert jitted.spec_program.cache_size() == before + 1
 
 
 def test_tree_rows_equal_autoregressive_logits_along_each_path(model):

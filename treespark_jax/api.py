@@ -16,13 +16,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from treespark_jax.decode.cost_store import cost_model_for, current_device_kind, target_id
-from treespark_jax.decode.engine import Engine, GenerationStats
+from treespark_jax.decode.engine import Engine, check_sampling
 from treespark_jax.decode.plan import Speculation
+from treespark_jax.decode.session import Session
+from treespark_jax.decode.stats import GenerationStats
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafters import default_method, shipped_drafter
 from treespark_jax.mesh import MeshShape, make_mesh
@@ -67,6 +70,7 @@ class TreeSpark:
         # The engine's model holds the weights on the mesh; keeping it (not the loaded copy) keeps one copy.
         self.target = dataclasses.replace(target, model=self.engine.model)
         self._drafters: dict[str, BlockDrafter] = {}
+        self._sessions: dict[tuple, tuple] = {}  # settings → (drafter, its weight arrays, Session)
 
     def drafter(self, method: str, drafter: str | BlockDrafter | None = None) -> BlockDrafter | None:
         """The block drafter ``method`` runs with (``None`` for methods without one).
@@ -119,6 +123,35 @@ class TreeSpark:
         return speculation(method, self.target.model, budget, drafter=self.drafter(method, drafter),
                            builder=builder, verify=verify, skip=skip, stop=stop)
 
+    def session(self, method: str | None = None, budget: int = DEFAULT_BUDGET, *, greedy: bool = True,
+                drafter: str | BlockDrafter | None = None, builder: str | None = None, verify: str | None = None,
+                skip: bool | None = None, stop: bool | None = None) -> Session:
+        """The decoding ``Session`` of these settings, made on first use and kept.
+
+        A session holds the method's resolved round plan, its drafter bound to the target and
+        placed on the mesh, and (through them) its compiled programs, so a later call with the
+        same settings rebuilds nothing. A ``BlockDrafter`` passed as ``drafter`` is held by
+        identity; when its weights change (further training), a new session is made for it.
+
+        Args:
+          method: as in ``generate`` (default ``default_method``).
+          budget, drafter, builder, verify, skip, stop: as in ``generate``.
+          greedy: decoding at temperature 0 (else by sampling, at any temperature > 0).
+
+        Raises:
+          ValueError: as ``generate`` for the method's settings.
+        """
+        method = method or self.default_method
+        resolved = self.drafter(method, drafter)
+        arrays = None if resolved is None else jax.tree.leaves(nnx.state(resolved))
+        key = (method, budget, id(resolved), builder, verify, skip, stop, greedy)
+        held = self._sessions.get(key)
+        if held is None or held[0] is not resolved or not _same_arrays(held[1], arrays):
+            spec = speculation(method, self.target.model, budget, drafter=resolved, builder=builder, verify=verify,
+                               skip=skip, stop=stop)
+            held = self._sessions[key] = (resolved, arrays, self.engine.session(spec, greedy))
+        return held[2]
+
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids for ``prompt``: raw text, or one user turn through the chat template.
 
@@ -165,12 +198,13 @@ class TreeSpark:
         Raises:
           ValueError: unknown method, missing drafter or invalid request (one sentence naming the value).
         """
-        spec = self.speculation(method or self.default_method, budget, drafter=drafter, builder=builder,
-                                verify=verify, skip=skip, stop=stop)
         batch = isinstance(prompt, (list, tuple))
         texts = list(prompt) if batch else [prompt]
+        check_sampling(max_new_tokens, temp, top_p, seed, len(texts))
+        session = self.session(method, budget, greedy=temp == 0, drafter=drafter, builder=builder, verify=verify,
+                               skip=skip, stop=stop)
         ids = [self.encode_prompt(t, chat) for t in texts]
-        out, stats = self.engine.generate(ids, max_new_tokens, temp, top_p, seed, spec)
+        out, stats = session.generate(ids, max_new_tokens, temp, top_p, seed)
         results = [GenerationResult(t, p, o, self.tokenizer.decode(o, skip_special_tokens=True), stats)
                    for t, p, o in zip(texts, ids, out)]
         return results if batch else results[0]
@@ -182,17 +216,23 @@ class TreeSpark:
                stop: bool | None = None) -> Iterator[str]:
         """Yields the reply's text as it is committed (only complete UTF-8 characters); arguments
         as in ``generate``."""
-        spec = self.speculation(method or self.default_method, budget, drafter=drafter, builder=builder,
-                                verify=verify, skip=skip, stop=stop)
+        check_sampling(max_new_tokens, temp, top_p, seed)
+        session = self.session(method, budget, greedy=temp == 0, drafter=drafter, builder=builder, verify=verify,
+                               skip=skip, stop=stop)
         decoder = StreamDecoder(self.tokenizer)
         prompt_ids = self.encode_prompt(prompt, chat)
-        for ids in self.engine.stream(prompt_ids, max_new_tokens, temp, top_p, seed, spec):
+        for ids in session.stream(prompt_ids, max_new_tokens, temp, top_p, seed):
             text = decoder.push(ids)
             if text:
                 yield text
         tail = decoder.flush()
         if tail:
             yield tail
+
+
+def _same_arrays(a: list | None, b: list | None) -> bool:
+    """Whether two lists of a drafter's weight arrays are the same arrays (not merely equal)."""
+    return (a is None) == (b is None) and (a is None or (len(a) == len(b) and all(x is y for x, y in zip(a, b))))
 
 
 def load(preset_or_path: str = DEFAULT_PRESET, dtype: str = "float32",

@@ -37,8 +37,8 @@ import numpy as np
 
 from treespark_jax.api import TreeSpark
 from treespark_jax.bench.greedy_check import first_divergence
-from treespark_jax.decode.engine import GenerationStats, depth_rates
-from treespark_jax.decode.plan import Speculation
+from treespark_jax.decode.session import Session
+from treespark_jax.decode.stats import GenerationStats, depth_rates
 from treespark_jax.methods import METHODS, check_budget, recipe
 
 
@@ -147,38 +147,39 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1.")
     drafters = dict(drafters or {})
-    specs: dict[tuple[str, int], Speculation] = {}
+    greedy = temp == 0
+    sessions: dict[tuple[str, int], Session] = {}
     for m in methods:
         if m == "ar":
             continue
         block = recipe(m).proposer == "block"
         for b in budgets:
-            specs[(m, b)] = lm.speculation(m, b, drafter=drafters.get(m) if block else None,
-                                           builder=builder if block else None, verify=verify if block else None,
-                                           skip=skip, stop=stop if block else None)
-    engine = lm.engine
+            sessions[(m, b)] = lm.session(m, b, greedy=greedy, drafter=drafters.get(m) if block else None,
+                                          builder=builder if block else None, verify=verify if block else None,
+                                          skip=skip, stop=stop if block else None)
+    ar_session = lm.session("ar", greedy=greedy)
     ar = _Tally()  # every AR run, pooled: the ar row
     group_ar = {b: _Tally() for b in budgets}  # the AR runs interleaved with budget b's rows
-    rows = {key: _Tally() for key in specs}
+    rows = {key: _Tally() for key in sessions}
 
-    def run(p, spec, tallies, late=False):
-        ids, stats = engine.generate([p], max_new_tokens, temp, 1.0, seed, spec)
+    def run(p, session, tallies, late=False):
+        ids, stats = session.generate([p], max_new_tokens, temp, 1.0, seed)
         for tally in tallies:
             tally.add(stats, ids[0], late)
 
     warm = _Tally()
-    run(prompts[0], None, [warm])  # compile AR once, outside the measurements
+    run(prompts[0], ar_session, [warm])  # compile AR once, outside the measurements
     ar.compiles = warm.compiles
-    for b in budgets if specs else budgets[:1]:  # one budget at a time: its rows' programs stay compiled together
-        group = [key for key in specs if key[1] == b]
+    for b in budgets if sessions else budgets[:1]:  # one budget at a time: its rows' programs stay compiled together
+        group = [key for key in sessions if key[1] == b]
         for key in group:
-            run(prompts[0], specs[key], [warm := _Tally()])
+            run(prompts[0], sessions[key], [warm := _Tally()])
             rows[key].compiles = warm.compiles
         for r in range(repeats):
             for i, p in enumerate(prompts):
-                run(p, None, [ar, group_ar[b]], r > 0)
+                run(p, ar_session, [ar, group_ar[b]], r > 0)
                 for key in group:
-                    run(p, specs[key], [rows[key]], r > 0)
+                    run(p, sessions[key], [rows[key]], r > 0)
                 if progress:
                     progress(f"budget {b}: repeat {r + 1}/{repeats}, prompt {i + 1}/{len(prompts)}")
 
@@ -186,7 +187,7 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
     if "ar" in methods:
         results.append(_row("ar", None, temp, ar, ar, lm, prompts, repeats))
     for (m, b), tally in rows.items():
-        plan = lm.engine.plan(specs[(m, b)], temp)
+        plan = sessions[(m, b)].plan
         results.append(_row(m, b, temp, tally, group_ar[b], lm, prompts, repeats)
                        | {"builder": plan.tree.builder, "verify": plan.rule, "stop": plan.cost_aware_stop,
                           "skip": plan.skip_drafting})

@@ -5,9 +5,9 @@ Two frozen values, each field decided in exactly one place:
 - ``Speculation`` (built by ``methods.speculation`` from the method's recipe, the user's
   overrides and the drafter): the proposer, the tree's shape and builder, the verify rule used
   when sampling, and whether the cost-aware stop and draft skipping are asked for.
-- ``RoundPlan`` (``plan_round``, called by the engine for each call): the same settings
-  resolved against what only the call knows (the temperature, the device's cost model, whether
-  trees are logged): the rule the round verifies with (``GREEDY`` at temperature 0), the verify
+- ``RoundPlan`` (``plan_round``, called once per ``decode.session.Session``): the same settings
+  resolved against what only the session knows (its sampling mode, the device's cost model,
+  whether trees are logged): the rule the round verifies with (``GREEDY`` at temperature 0), the verify
   ladder, whether draft skipping runs, whether children are sampled. The speculative program
   (``decode/speculative.py``) reads nothing else; one compiled program per plan.
 """
@@ -98,8 +98,8 @@ class RoundPlan:
         return cost(self.ladder, context)
 
 
-def plan_round(spec: Speculation, temperature: float, cost: CostModel, log_trees: bool = False) -> RoundPlan:
-    """The plan of ``spec``'s rounds in a call at ``temperature``.
+def plan_round(spec: Speculation, greedy: bool, cost: CostModel, log_trees: bool = False) -> RoundPlan:
+    """The plan of ``spec``'s rounds when decoding greedily (temperature 0) or by sampling.
 
     - rule: ``GREEDY`` at temperature 0, else ``spec.verify``;
     - ladder: ``config.default_ladder(N)`` with the cost-aware stop (and N > 1), else ``(N,)``;
@@ -108,14 +108,14 @@ def plan_round(spec: Speculation, temperature: float, cost: CostModel, log_trees
 
     Args:
       spec: the method's settings (``methods.speculation``).
-      temperature: the call's temperature (≥ 0; validated by the engine's request checks).
+      greedy: decoding at temperature 0 (else at a temperature > 0).
       cost: the device's cost model.
       log_trees: keep every verified tree (on-policy rollouts).
     """
     budget = spec.tree.budget
     return RoundPlan(
         tree=spec.tree,
-        rule=VerifyRule.GREEDY if temperature == 0 else spec.verify,
+        rule=VerifyRule.GREEDY if greedy else spec.verify,
         ladder=default_ladder(budget) if spec.cost_aware_stop and budget > 1 else (budget,),
         skip_drafting=spec.skip_drafting and cost.step_ms is not None and not log_trees,
         log_trees=log_trees,

@@ -14,17 +14,27 @@ the process holds more than :data:`MAP_SHARE` of its allowed regions, the settin
 ago are released (their ``jit`` caches cleared, which frees the executables; measured: back to
 the regions held before they compiled) and compile again if they come back. Only Linux counts
 regions (``/proc/self/maps``); elsewhere nothing is released.
+
+A program can also be compiled ahead of time from the shapes of its arguments
+(:meth:`Program.compile`, JAX's ``jit(...).lower(...).compile()``); a later call with arguments
+of those shapes and shardings runs the executable it made. :func:`compiled` counts executables
+as XLA reports building them (JAX's backend-compile event, which a load from the persistent
+compilation cache also raises), so the ahead-of-time path and the call path count once together.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+"""The duration event JAX records once per executable it builds or loads from the persistent cache."""
 
 MAP_LIMIT_FILE = Path("/proc/sys/vm/max_map_count")
 MAPS_FILE = Path("/proc/self/maps")
@@ -37,7 +47,28 @@ prompt; at 0.75 they do: the default bench (7 methods × 4 budgets, 2 GSM8K prom
 peaked at 52,386 regions and compiled nothing after its warm-up."""
 
 _LIVE: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()  # (program, key) → jit, oldest first
-_released = 0  # executables freed so far (so ``compiled`` counts every compilation, freed or not)
+_compiles = 0  # executables built (or loaded) for decode programs so far
+_inside = False  # a decode program is being called or compiled on this host thread
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    global _compiles
+    if _inside and event == BACKEND_COMPILE_EVENT:
+        _compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+@contextlib.contextmanager
+def _counting():
+    """Counts the executables XLA builds inside the block as decode programs'."""
+    global _inside
+    _inside = True
+    try:
+        yield
+    finally:
+        _inside = False
 
 
 def mapped_regions() -> int | None:
@@ -64,8 +95,9 @@ def live() -> int:
 
 
 def compiled() -> int:
-    """Executables the decode programs compiled so far in this process (released ones included)."""
-    return _released + live()
+    """Executables the decode programs compiled (or loaded from the persistent compilation cache)
+    so far in this process, released ones included."""
+    return _compiles
 
 
 def release_oldest(keep: Callable | None = None) -> bool:
@@ -75,10 +107,8 @@ def release_oldest(keep: Callable | None = None) -> bool:
     Returns:
       Whether a setting was released (False when nothing but ``keep`` is left).
     """
-    global _released
     for key, jitted in _LIVE.items():
         if jitted is not keep:
-            _released += jitted._cache_size()
             jitted.clear_cache()
             del _LIVE[key]
             return True
@@ -108,18 +138,50 @@ class Program:
         self.signature = inspect.signature(fn)
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args, **kwargs):
+    def _jitted(self, args, kwargs) -> Callable:
+        """The ``jit`` of this call's static setting, made the most recently used."""
         bound = self.signature.bind(*args, **kwargs)
         key = (self, tuple(bound.arguments.get(n) for n in self.static))
         jitted = _LIVE.pop(key, None)
         if jitted is None:  # its own function object: jit's caches are keyed by the function
             jitted = jax.jit(functools.partial(self.fn), static_argnames=self.static, donate_argnames=self.donate)
-        _LIVE[key] = jitted  # now the most recently used
-        before = jitted._cache_size()
-        out = jitted(*args, **kwargs)
-        if jitted._cache_size() > before:
+        _LIVE[key] = jitted
+        return jitted
+
+    def __call__(self, *args, **kwargs):
+        jitted = self._jitted(args, kwargs)
+        before = compiled()
+        with _counting():
+            out = jitted(*args, **kwargs)
+        if compiled() > before:
             _bound(keep=jitted)
         return out
+
+    def compile(self, *args, **kwargs):
+        """Compiles the program for arguments of these shapes ahead of time, running nothing.
+
+        Args:
+          args, kwargs: as for a call; array arguments may be ``jax.ShapeDtypeStruct`` (with the
+            sharding the call's arrays will have), static ones are the call's values.
+
+        Returns:
+          The output's shapes, dtypes and shardings (a pytree of ``jax.ShapeDtypeStruct``), to
+          compile a program that takes it.
+        """
+        jitted = self._jitted(args, kwargs)
+        before = compiled()
+        with _counting():
+            lowered = jitted.lower(*args, **kwargs)
+            executable = lowered.compile()
+        if compiled() > before:
+            _bound(keep=jitted)
+        # JAX commits a call's outputs to their devices when an input is committed (or they span
+        # a mesh); uncommitted ones are matched by a later call only as shapes without a sharding.
+        committed = any(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
+                        or getattr(x, "committed", False) for x in jax.tree.leaves((args, kwargs)))
+        return jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(
+            out.shape, out.dtype, sharding=sharding if committed or len(sharding.device_set) > 1 else None),
+            lowered.out_info, executable.output_shardings)
 
     def cache_size(self) -> int:
         """Executables of this program held now."""

@@ -212,7 +212,7 @@ def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], starts: S
 
 
 def tree_log(log: dict[str, np.ndarray], head: TargetHead, rule: str, temp: float) -> StoredTrees:
-    """A row's logged trees (``Engine.generate_logged``) with each verify row's normaliser added."""
+    """A row's logged trees (``Session.generate_logged``) with each verify row's normaliser added."""
     hidden = np.asarray(log["node_hidden"]).astype(FEATURE_DTYPE)  # as stored
     lse, top = target_normalisers(head, hidden.reshape(-1, hidden.shape[-1]), float(tree_temperature(rule, temp)))
     return StoredTrees(**log, node_lse=lse.reshape(hidden.shape[:2]), node_top=top.reshape(hidden.shape[:2]), rule=rule,
@@ -290,6 +290,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
         todo = sorted((p for p in prompts if p.id not in done), key=lambda p: len(tokenized[p.id]))
         run = RolloutRun(manifest=writer.manifest, skipped=len(prompts) - len(todo))
         engine = engine or Engine(target.model, target.tokenizer.stop_ids)
+        session = None if spec is None else engine.session(spec, settings.temp == 0, log_trees=True)
         head = TargetHead.of(target.model, target.model.dtype)
         stop_ids = set(target.tokenizer.stop_ids)
         bar = tqdm(total=len(prompts), initial=run.skipped, unit="prompt", desc="rollouts", disable=not progress)
@@ -304,10 +305,9 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                                                            settings.top_p, seeds)
                     trees = [None] * len(batch)
                 else:
-                    outs, _, logs = engine.generate_logged(ids, settings.max_new_tokens, spec, settings.temp,
-                                                           settings.top_p, seeds)
-                    rule = engine.plan(spec, settings.temp, log_trees=True).rule
-                    trees = [tree_log(log, head, rule, settings.temp) for log in logs]
+                    outs, _, logs = session.generate_logged(ids, settings.max_new_tokens, settings.temp,
+                                                            settings.top_p, seeds)
+                    trees = [tree_log(log, head, session.plan.rule, settings.temp) for log in logs]
                     feats = None
                 t1 = time.perf_counter()
                 if feats is None:  # a second pass: the speculative loop does not log every row's features
