@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from treespark_jax.decode import jitted
+from treespark_jax.decode import jitted, programs
+from treespark_jax.decode.buckets import RequestShape
 from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.models.kv_cache import KVCache
@@ -77,6 +78,26 @@ def test_decode_loop_compiles_once_for_256_tokens_and_prefill_once_per_bucket(mo
     assert stats.compiles == 0
     assert jitted.prefill_program.cache_size() == prefill_before
     assert jitted.ar_program.cache_size() == loop_before
+
+
+def test_a_session_compiles_once_per_request_shape_whatever_the_lengths(model):
+    """The rule the README states: a session's prefill is compiled once per ``RequestShape``
+    (batch, prompt and output buckets, cache capacity) and its decode loop once per
+    ``RequestShape.loop``; prompts and ``max_new_tokens`` of shapes already seen compile nothing."""
+    while programs.release_oldest():  # start from nothing compiled
+        pass
+    session = Engine(model, stop_ids=[]).session()
+    shapes, loops = set(), set()
+    for prompt_len, max_new in [(3, 17), (16, 32), (5, 20), (17, 20), (3, 33), (3, 64), (9, 1), (2, 16), (100, 16)]:
+        shape = RequestShape.of(1, prompt_len, max_new)
+        ids, stats = session.generate([[1] * prompt_len], max_new)
+        want = (shape not in shapes) + (shape.loop not in loops)
+        assert len(ids[0]) == max_new and stats.compiles == want, (prompt_len, max_new, want)
+        shapes.add(shape)
+        loops.add(shape.loop)
+    # (prompt, output) buckets 16/32, 32/32, 16/64, 16/16 share a 128-slot cache, whose loop
+    # only the output bucket tells apart; the 128-token prompt bucket needs a 256-slot cache.
+    assert (len(shapes), len(loops)) == (5, 4)
 
 
 def test_warmup_compiles_ahead_so_requests_do_not(model):

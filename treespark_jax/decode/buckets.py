@@ -1,10 +1,15 @@
 """Static-shape buckets: batch, prompt length, output length and cache capacity.
 
 Shapes follow buckets, never the data, so a new prompt within a bucket reuses the compiled
-program (MaxText / JetStream prefill buckets).
+program (MaxText / JetStream prefill buckets). ``RequestShape`` states the whole rule: a
+session's prefill program is compiled once per distinct ``RequestShape`` and its decode loop
+once per distinct ``RequestShape.loop`` (the prompt is in the KV cache by then), so requests with
+equal shapes share both whatever their prompts and ``max_new_tokens``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 MIN_PROMPT_BUCKET = 16
 MIN_OUTPUT_BUCKET = 16
@@ -49,3 +54,42 @@ def cache_capacity(prompt_len: int, max_new_tokens: int, tree_rows: int = 1) -> 
     """
     need = prompt_len + max_new_tokens + tree_rows
     return -(-need // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestShape:
+    """The static shapes of one request: what a decode program is compiled for.
+
+    Attributes:
+      batch: padded rows (``batch_bucket``).
+      prompt: padded prompt length in tokens (``prompt_bucket``).
+      output: output buffer in tokens (``output_bucket``).
+      capacity: KV-cache slots per row (``cache_capacity``).
+    """
+
+    batch: int
+    prompt: int
+    output: int
+    capacity: int
+
+    @classmethod
+    def of(cls, n_rows: int, longest_prompt: int, max_new_tokens: int, tree_rows: int = 1,
+           data: int = 1) -> "RequestShape":
+        """The shape of a request of ``n_rows`` prompts, the longest ``longest_prompt`` tokens.
+
+        Args:
+          n_rows: prompts in the request.
+          longest_prompt: tokens of its longest prompt.
+          max_new_tokens: its ``max_new_tokens``.
+          tree_rows: rows one model call writes beyond the committed length (1 for AR, ``N + 1``
+            for a maximum tree budget ``N``).
+          data: devices on the mesh's ``data`` axis (the batch is a multiple of it).
+        """
+        prompt, output = prompt_bucket(longest_prompt), output_bucket(max_new_tokens)
+        return cls(batch=batch_bucket(n_rows, data), prompt=prompt, output=output,
+                   capacity=cache_capacity(prompt, output, tree_rows))
+
+    @property
+    def loop(self) -> tuple[int, int, int]:
+        """``(batch, output, capacity)``: the shapes the decode loop program is compiled for."""
+        return self.batch, self.output, self.capacity

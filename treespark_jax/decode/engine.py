@@ -154,10 +154,8 @@ class Engine:
         """
         lens = [len(p) for p in prompts]
         check_request(lens, max_new_tokens, temp, top_p, self.context, seed)
-        b = buckets.batch_bucket(len(prompts), self.data_size)
-        t = buckets.prompt_bucket(max(lens))
-        out_size = buckets.output_bucket(max_new_tokens)
-        capacity = buckets.cache_capacity(t, out_size, tree_rows)
+        shape = buckets.RequestShape.of(len(prompts), max(lens), max_new_tokens, tree_rows, self.data_size)
+        b, t, out_size, capacity = shape.batch, shape.prompt, shape.output, shape.capacity
         tokens = np.zeros((b, t), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
