@@ -182,7 +182,3 @@ class Program:
         return jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(
             out.shape, out.dtype, sharding=sharding if committed or len(sharding.device_set) > 1 else None),
             lowered.out_info, executable.output_shardings)
-
-    def cache_size(self) -> int:
-        """Executables of this program held now."""
-        return sum(j._cache_size() for (p, _), j in _LIVE.items() if p is self)
