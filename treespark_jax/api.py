@@ -147,8 +147,8 @@ class TreeSpark:
         key = (method, budget, id(resolved), builder, verify, skip, stop, greedy)
         held = self._sessions.get(key)
         if held is None or held[0] is not resolved or not _same_arrays(held[1], arrays):
-            spec = speculation(method, self.target.model, budget, drafter=resolved, builder=builder, verify=verify,
-                               skip=skip, stop=stop)
+            spec = self.speculation(method, budget, drafter=resolved, builder=builder, verify=verify, skip=skip,
+                                    stop=stop)
             held = self._sessions[key] = (resolved, arrays, self.engine.session(spec, greedy))
         return held[2]
 
