@@ -6,8 +6,8 @@ A random Proposal of the default target's shape (B=1, P=8, M=256, V=49152, R=32;
 branch 4) is built ``--inner`` times inside one jitted ``lax.scan`` (a different anchor and key
 each time, so nothing is hoisted), which leaves out the host dispatch a decode round does not
 pay; the table shows the median per build over ``--repeats`` calls (ms), and the JSON adds the
-inter-quartile range and the compile time. Modes: greedy (temp 0), match (temp 1, top-p 1,
-deterministic children), rejection (temp 1, sampled children), with top-p 1 and 0.9.
+inter-quartile range and the compile time. Modes: greedy (temperature 0), match (temperature 1, top-p 1,
+deterministic children), rejection (temperature 1, sampled children), with top-p 1 and 0.9.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from treespark_jax.config import BUILDERS, TreeConfig
 from treespark_jax.testing.random_proposal import random_proposal
 from treespark_jax.tree.builders import build_tree
 
-MODES = {  # name: (verify rule, temp, top_p)
+MODES = {  # name: (verify rule, temperature, top_p)
     "greedy": ("greedy", 1.0, 1.0),
     "match": ("match", 1.0, 1.0),
     "match top-p 0.9": ("match", 1.0, 0.9),
@@ -33,7 +33,7 @@ MODES = {  # name: (verify rule, temp, top_p)
 }
 
 
-def per_build_ms(proposal, cfg: TreeConfig, rule: str, temp: float, top_p: float, inner: int,
+def per_build_ms(proposal, cfg: TreeConfig, rule: str, temperature: float, top_p: float, inner: int,
                  repeats: int) -> tuple[list[float], float]:
     """Per-build times (ms) of ``repeats`` calls, and the compile time (s)."""
     keys = jax.random.split(jax.random.key(1), 1)
@@ -41,7 +41,7 @@ def per_build_ms(proposal, cfg: TreeConfig, rule: str, temp: float, top_p: float
     @jax.jit
     def builds(proposal, keys):
         def one(total, i):
-            tree = build_tree(proposal, jnp.full(1, i, jnp.int32), cfg, rule=rule, temp=jnp.full(1, temp),
+            tree = build_tree(proposal, jnp.full(1, i, jnp.int32), cfg, rule=rule, temperature=jnp.full(1, temperature),
                               top_p=jnp.full(1, top_p),
                               keys=jax.vmap(lambda k: jax.random.fold_in(k, i))(keys))
             return total + tree.tokens.sum(), None
@@ -73,11 +73,11 @@ def main() -> None:
     print(f"{'builder':<20}{'mode':<22}" + "".join(f"{'N=' + str(n):>9}" for n in args.budgets) + "  (ms per build)")
     for builder in args.builders:
         for mode in args.modes:
-            rule, temp, top_p = MODES[mode]
+            rule, temperature, top_p = MODES[mode]
             row = []
             for budget in args.budgets:
                 cfg = TreeConfig(budget=budget, max_depth=8, branch=4, builder=builder)
-                times, compile_s = per_build_ms(proposal, cfg, rule, temp, top_p, args.inner, args.repeats)
+                times, compile_s = per_build_ms(proposal, cfg, rule, temperature, top_p, args.inner, args.repeats)
                 row.append(float(np.median(times)))
                 results.append(dict(builder=builder, mode=mode, budget=budget, median_ms=row[-1],
                                     p25_ms=float(np.percentile(times, 25)),

@@ -44,8 +44,8 @@ def measure(lm, method: str, max_new_tokens: int, repeats: int) -> dict:
         result = lm.generate(PROMPT, chat=True, max_new_tokens=max_new_tokens, method=method)
         walls.append(time.perf_counter() - t0)
         compiles.append(result.stats.compiles)
-    kept = median_seconds(lambda: lm.session(method), 4 * repeats)
-    built = median_seconds(lambda: lm.engine.session(lm.speculation(method)), repeats)
+    kept = median_seconds(lambda: lm.session(method=method), 4 * repeats)
+    built = median_seconds(lambda: lm.engine.session(lm.speculation(method=method)), repeats)
     return {"method": method, "first_s": walls[0], "later_s": statistics.median(walls[1:]),
             "later_compiles": sum(compiles[1:]), "session_kept_s": kept, "session_built_s": built}
 

@@ -65,9 +65,9 @@ def main() -> None:
 
     lm = load(args.preset)
     engine, measured = lm.engine, lm.engine.cost
-    variants = {"convex stop, no skip": (convex_table(measured), lm.speculation("treespark", args.budget, skip=False)),
-                "no skip": (measured, lm.speculation("treespark", args.budget, skip=False)),
-                "skip (default)": (measured, lm.speculation("treespark", args.budget))}
+    variants = {"convex stop, no skip": (convex_table(measured), lm.speculation(method="treespark", budget=args.budget, skip_drafting=False)),
+                "no skip": (measured, lm.speculation(method="treespark", budget=args.budget, skip_drafting=False)),
+                "skip (default)": (measured, lm.speculation(method="treespark", budget=args.budget))}
     n = args.max_new_tokens
     windows = {}
     for name in args.sets.split(","):

@@ -84,7 +84,7 @@ def main() -> None:
     drafter = BlockDrafter(drafter_config(args.loss, target.cfg), target.cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, target.cfg.vocab_size, args.seq_len).tolist() for _ in range(args.batch)]
-    records = [make_record(s, args.seq_len // 4, *f, prompt_set="random", prompt_id=str(i), seed=0, temp=0.0,
+    records = [make_record(s, args.seq_len // 4, *f, prompt_set="random", prompt_id=str(i), seed=0, temperature=0.0,
                            top_p=1.0, finished=False)
                for i, (s, f) in enumerate(zip(seqs, record_arrays(target.model, seqs, [args.seq_len // 4] * args.batch,
                                                                   drafter.cfg.target_layer_ids)))]

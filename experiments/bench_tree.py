@@ -64,12 +64,12 @@ def main() -> None:
     context = int(np.mean([len(p) for p in prompts])) + args.max_new_tokens // 2
     context = 1 << (context - 1).bit_length()  # the cache capacity a round of this length attends over
     print(f"{args.preset}: {len(prompts)} raw-text prompts x {args.repeats} repeats, {args.max_new_tokens} new "
-          f"tokens, batch 1, temp 0, drafters {args.drafter}")
+          f"tokens, batch 1, temperature 0, drafters {args.drafter}")
     print_table(rows)
     print(f"\nround parts at context {context} (ms): drafter pass, tree build, verify of N + 1 rows")
     for row in rows:
         if row["method"] in DRAFTER_METHODS:
-            spec = lm.speculation(row["method"], row["budget"], drafter=drafters.get(row["method"]))
+            spec = lm.speculation(method=row["method"], budget=row["budget"], drafter=drafters.get(row["method"]))
             row.update({f"{k}_ms": v for k, v in part_costs(lm, spec, context, 5).items()})
             print(f"{row['method']:<14}{row['budget']:>6} " + " ".join(
                 f"{row[k]:>9.1f}" for k in ("propose_ms", "build_ms", "verify_ms")))

@@ -22,7 +22,7 @@ for split in train eval; do
   $T rollout --prompts mtbench --split $split --max-new-tokens "$NEW" --batch-size 16 --out "$DATA/rollouts-mtbench-$split"
 done
 # 1,024 prompts (seed 0), rolled out as the first 256 and the other 768, so both data sizes share them
-[ -f "$DATA/self1024.jsonl" ] || $T self-prompts --n 1024 --seed 0 --out "$DATA/self1024.jsonl"
+[ -f "$DATA/self1024.jsonl" ] || $T self-prompts --limit 1024 --seed 0 --json-out "$DATA/self1024.jsonl"
 [ -f "$DATA/self256.jsonl" ] || head -n 256 "$DATA/self1024.jsonl" > "$DATA/self256.jsonl"
 [ -f "$DATA/self768.jsonl" ] || tail -n +257 "$DATA/self1024.jsonl" > "$DATA/self768.jsonl"
 for part in self256 self768; do
@@ -37,7 +37,7 @@ evaluate "$START" "$DATA/eval-shipped.json"
 for run in $RUNS; do
   IFS=: read -r name sets steps <<< "$run"
   dirs=$(for s in ${sets//,/ }; do echo "$DATA/rollouts-$s"; done)
-  $T train --rollouts $dirs --loss dspark --init "$START" --steps "$steps" --batch 4 --seq-len 384 --anchors 16 \
+  $T train --rollouts $dirs --loss dspark --init "$START" --steps "$steps" --batch-size 4 --seq-len 384 --anchors 16 \
     --save-every 100 --log-every 20 --quiet --out "$DATA/$name"
   evaluate "$DATA/$name/drafter" "$DATA/eval-$name.json"
 done

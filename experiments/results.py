@@ -121,7 +121,8 @@ def verdicts(rows: list[dict], budgets: list[int]) -> list[str]:
     if fastest and fastest["method"] != "treespark":
         out.append(f"fastest row: {fastest['method']} at budget {fastest['budget']}, "
                    f"{fastest['speedup']:.2f} ± {fastest['speedup_iqr']:.2f}")
-    if drafted and not any(r.get("skip") for r in drafted):
+    # Rows stored before bench.compare's keys followed the API ("skip_drafting") say "skip".
+    if drafted and not any(r.get("skip_drafting", r.get("skip")) for r in drafted):
         out.append("measured with draft skipping off, before it became the default of every drafting method")
     return out
 
@@ -249,7 +250,7 @@ def _measure_one(args, job: str, out: Path) -> None:
     lm = load(PRESET)
     prompts = [prompt_ids(lm.tokenizer, r) for r in load_prompts(name, "eval")[: args.limit]]
     if kind == "bench":
-        rows = compare(lm, prompts, METHODS, budgets, temp=float(temp[0]), max_new_tokens=args.max_new_tokens,
+        rows = compare(lm, prompts, METHODS, budgets, temperature=float(temp[0]), max_new_tokens=args.max_new_tokens,
                        repeats=args.repeats, progress=log)
         (out / f"bench-{name}-t{float(temp[0]):g}.json").write_text(json.dumps(rows, indent=2))
     else:

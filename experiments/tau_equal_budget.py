@@ -5,7 +5,7 @@ The main tables of ``experiments/RESULTS.md`` measure each method as shipped: dr
 skips more of the hard stretches) and the cost-aware stop on for ``dspark`` and ``treespark``
 (they verify fewer nodes than their budget). Their τ is therefore not a comparison of drafters
 and builders at equal budget. This script measures that comparison: greedy decoding (temp 0) on
-the held-out prompts with ``skip=False`` and ``stop=False`` for every drafting method
+the held-out prompts with ``skip_drafting=False`` and ``cost_aware_stop=False`` for every drafting method
 (``treespark bench --no-skip-drafting --no-cost-aware-stop``), so every round is a drafted round
 and every tree verifies N nodes (a block drafter's chain ``min(N, γ)``, γ its block size;
 prompt lookup's chain N).
@@ -56,10 +56,10 @@ def measure(sets: list[str], limit: int, max_new_tokens: int, budgets: list[int]
     for name in sets:
         log(f"== {name}")
         prompts = [prompt_ids(lm.tokenizer, r) for r in load_prompts(name, "eval")[:limit]]
-        rows[name] = compare(lm, prompts, ("ar", *METHODS), budgets, temp=0.0, max_new_tokens=max_new_tokens,
-                             repeats=1, skip=False, stop=False, progress=log)
+        rows[name] = compare(lm, prompts, ("ar", *METHODS), budgets, temperature=0.0, max_new_tokens=max_new_tokens,
+                             repeats=1, skip_drafting=False, cost_aware_stop=False, progress=log)
     return {"protocol": {"sets": sets, "limit": limit, "max_new_tokens": max_new_tokens, "budgets": budgets,
-                         "temp": 0.0, "skip": False, "stop": False},
+                         "temperature": 0.0, "skip_drafting": False, "cost_aware_stop": False},
             "machine": describe_machine(), "others_cpu": others_share(clock, cpu_clock()),
             "date": time.strftime("%Y-%m-%d"), "minutes": (time.time() - started) / 60, "rows": rows}
 

@@ -35,7 +35,7 @@ ONPOLICY=${ONPOLICY:-gsm8k}    # sets whose on-policy trees are logged (the othe
 SELF=${SELF:-4000}             # self-generated chat prompts (DESIGN.md §1.4)
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary the drafters train on and draft from (most frequent training tokens)
 T="$PY -m treespark_jax.cli"
-TRAIN_ARGS="--steps $STEPS --batch $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
+TRAIN_ARGS="--steps $STEPS --batch-size $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
 VOCAB_ARGS="--draft-vocab $DRAFT_VOCAB"  # the treespark stage and the ablations keep their --init drafter's
 
 plain() { for s in $SETS; do echo "$DATA/rollouts-$s-$1"; done; }
@@ -50,8 +50,8 @@ stage_rollouts() {
   done
   if [ "$SELF" -gt 0 ]; then
     # the prompt file is written once (seeded, so a re-run would write the same); its rollouts resume
-    [ -f "$DATA/self-prompts-$SELF.jsonl" ] || $T self-prompts --n "$SELF" --seed 0 --batch-size "$RBATCH" \
-      --out "$DATA/self-prompts-$SELF.jsonl"
+    [ -f "$DATA/self-prompts-$SELF.jsonl" ] || $T self-prompts --limit "$SELF" --seed 0 --batch-size "$RBATCH" \
+      --json-out "$DATA/self-prompts-$SELF.jsonl"
     $T rollout --prompts "$DATA/self-prompts-$SELF.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
       --out "$(self_rollouts)"
   fi
@@ -100,7 +100,7 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
   for v in $ABLATIONS; do
     name=${v%%:*} w=${v#*:}
     $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --init "$DATA/dspark/drafter" \
-      --steps "$ABLATE_STEPS" --batch "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 50 --log-every 10 \
+      --steps "$ABLATE_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 50 --log-every 10 \
       ${w:+--loss-weights "$w"} --out "$DATA/ablate-$name"
     $T eval-drafter --drafter "$DATA/ablate-$name/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
       --budget "$BUDGET" --json-out "$DATA/ablate-$name/eval.json"
@@ -146,7 +146,7 @@ PY
         local run="$dir/$variant-s$seed" weights=""
         [ "$variant" = control ] && weights="--loss-weights $NO_TREE_TERMS"
         $T train --rollouts "$dir/onpolicy" $others --loss treespark --trees 4 --init "$start" --seed "$seed" \
-          --steps "$ITER_STEPS" --batch "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
+          --steps "$ITER_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
           --log-every 10 $weights --out "$run"
         $T eval-drafter --drafter "$run/drafter" --rollouts $(plain eval) --method treespark --budget "$BUDGET" \
           --json-out "$run/eval.json"

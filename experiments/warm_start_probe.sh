@@ -29,7 +29,7 @@ for init in $LAYERS; do
   args=()
   [ "$init" = random ] || args=(--init-layers "$init")
   $T train --rollouts "$DATA/$SET-train" --loss dspark --draft-vocab "$DRAFT_VOCAB" "${args[@]}" --steps "$STEPS" \
-    --batch 4 --seq-len 384 --anchors 16 --save-every 50 --log-every 10 --quiet --out "$out"
+    --batch-size 4 --seq-len 384 --anchors 16 --save-every 50 --log-every 10 --quiet --out "$out"
   [ -f "$out/eval.json" ] || $T eval-drafter --drafter "$out/drafter" --rollouts "$DATA/$SET-eval" --method pctree \
     --budget "$BUDGET" --json-out "$out/eval.json"
 done

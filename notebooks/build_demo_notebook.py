@@ -147,14 +147,17 @@ CELLS = [
         ## 3. AR and TreeSpark side by side
 
         The same chat prompt, greedy (temperature 0), once with plain autoregressive decoding and
-        once with TreeSpark at budget `BUDGET`. The first call of each method compiles its
-        programs; `tokens_per_s` counts decoding only (no compilation, no prefill). Greedy
+        once with TreeSpark at budget `BUDGET`. The settings shared by both calls are one
+        `ts.GenerationConfig` (its fields: `max_new_tokens`, `temperature`, `top_p`, `seed`, `method`,
+        `budget`, `drafter`, ...); keyword arguments of `generate` replace its fields, and
+        `lm.generate(PROMPT, max_new_tokens=64, temperature=0.7)` works without one. The first call
+        of each method compiles its programs; `tokens_per_s` counts decoding only (no compilation, no prefill). Greedy
         outputs must be identical: speculative decoding changes how fast tokens come, not which.
     """),
     code('''
-        ar = lm.generate(PROMPT, chat=True, max_new_tokens=MAX_NEW, method="ar")
-        tree = lm.generate(PROMPT, chat=True, max_new_tokens=MAX_NEW, method="treespark", budget=BUDGET,
-                           drafter=TS_DRAFTER)
+        greedy = ts.GenerationConfig(max_new_tokens=MAX_NEW, temperature=0.0)
+        ar = lm.generate(PROMPT, greedy, chat=True, method="ar")
+        tree = lm.generate(PROMPT, greedy, chat=True, method="treespark", budget=BUDGET, drafter=TS_DRAFTER)
 
         for name, r in (("AR", ar), (f"TreeSpark (budget {BUDGET})", tree)):
             print(f"--- {name}: τ = {r.stats.tau:.2f}, {r.stats.tokens_per_s:.1f} tokens/s, "
@@ -182,7 +185,7 @@ CELLS = [
         import matplotlib.pyplot as plt
         import numpy as np
 
-        spec = lm.speculation("treespark", BUDGET, drafter=TS_DRAFTER)
+        spec = lm.speculation(method="treespark", budget=BUDGET, drafter=TS_DRAFTER)
         prompt_ids = lm.encode_prompt(PROMPT, chat=True)
         out_ids, log_stats, trees = lm.engine.generate_logged([prompt_ids], MAX_NEW, spec)
         log = trees[0]
@@ -367,14 +370,14 @@ CELLS = [
     """),
     code('''
         RUN = OUT_DIR / f"dspark-{TRAIN_STEPS}steps"
-        treespark("train", "--rollouts", ROLLOUTS, "--loss", "dspark", "--steps", TRAIN_STEPS, "--batch", TRAIN_BATCH,
-                  "--seq-len", 256, "--anchors", 4, "--log-every", 1, "--dtype", DTYPE, "--out", RUN, "--quiet")
+        treespark("train", "--rollouts", ROLLOUTS, "--loss", "dspark", "--steps", TRAIN_STEPS, "--batch-size",
+                  TRAIN_BATCH, "--seq-len", 256, "--anchors", 4, "--log-every", 1, "--dtype", DTYPE, "--out", RUN,
+                  "--quiet")
         metrics = [json.loads(line) for line in (RUN / "metrics.jsonl").read_text().splitlines()]
         print("loss by step:", {m["step"]: round(m["loss"], 3) for m in metrics if "loss" in m})
     '''),
     code('''
-        mine = lm.generate(PROMPT, chat=True, max_new_tokens=MAX_NEW, method="dspark", budget=BUDGET,
-                           drafter=str(RUN / "drafter"))
+        mine = lm.generate(PROMPT, greedy, chat=True, method="dspark", budget=BUDGET, drafter=str(RUN / "drafter"))
         print(f"dspark with the drafter trained above: τ = {mine.stats.tau:.2f}, "
               f"{mine.stats.tokens_per_s:.1f} tokens/s; identical to AR: {mine.token_ids == ar.token_ids}")
         print(mine.text.strip())

@@ -209,9 +209,9 @@ class TinyTarget:
         anchor = np.broadcast_to(self.l1, (tokens.shape[0], 1, V))
         return np.concatenate([anchor, nodes], axis=1)
 
-    def conditionals(self, temp, top_p):
+    def conditionals(self, temperature, top_p):
         """Processed ``p(y1) [V]``, ``p(y2|y1) [V, V]``, ``p(y3|y1,y2) [V, V, V]``."""
-        proc = lambda l: np.asarray(_processed(l, np.float64(temp), np.float64(top_p)))  # noqa: E731
+        proc = lambda l: np.asarray(_processed(l, np.float64(temperature), np.float64(top_p)))  # noqa: E731
         return proc(self.l1), proc(self.l2), proc(self.l3)
 
 
@@ -228,29 +228,29 @@ def make_proposal(batch: int) -> Proposal:
                     edge_child=tile(np.zeros((2, M))), hidden=tile(np.zeros((2, 3))))
 
 
-def draft_probs(temp, top_p):
+def draft_probs(temperature, top_p):
     """Processed draft probabilities over the pools: ``q1 [M]`` given the anchor and ``q2 [V, M]``
     given each depth-1 token, from the Proposal's ``child_logits`` (the builders' definition)."""
     depth = np.array([[1] + [2] * V], np.int32)
     parent = np.array([[ANCHOR] + list(range(V))], np.int32)
-    q = _draft_probs(make_proposal(1), depth, parent, np.float64(temp), np.float64(top_p))
+    q = _draft_probs(make_proposal(1), depth, parent, np.float64(temperature), np.float64(top_p))
     return q[0], q[1:]
 
 
 @jax.jit
-def _draft_probs(proposal, depth, parent, temp, top_p):
-    return jnp.exp(processed_logprobs(child_logits(proposal, depth, parent)[0], temp, top_p))
+def _draft_probs(proposal, depth, parent, temperature, top_p):
+    return jnp.exp(processed_logprobs(child_logits(proposal, depth, parent)[0], temperature, top_p))
 
 
 @jax.jit
-def _processed(logits, temp, top_p):
-    return jnp.exp(processed_logprobs(logits, temp, top_p))
+def _processed(logits, temperature, top_p):
+    return jnp.exp(processed_logprobs(logits, temperature, top_p))
 
 
 # ----------------------------------------------------------------------------- exact test
 
 
-def enumerate_draws(temp, top_p, admit_second):
+def enumerate_draws(temperature, top_p, admit_second):
     """Every draft tree of the sampled builder with its probability.
 
     The anchor's children are drawn without replacement from ``q1``; a second one is drawn when
@@ -260,7 +260,7 @@ def enumerate_draws(temp, top_p, admit_second):
     Returns:
       ``(weights [D], node lists)``.
     """
-    q1, q2 = draft_probs(temp, top_p)
+    q1, q2 = draft_probs(temperature, top_p)
     weights, rows = [], []
     for k1 in np.flatnonzero(q1):
         c1 = POOL_IDS[0, k1]
@@ -278,16 +278,16 @@ def enumerate_draws(temp, top_p, admit_second):
 
 
 @functools.partial(jax.jit, static_argnames="rule")
-def node_table(tree, logits, node, temp, top_p, proposal, anchor, rule):
+def node_table(tree, logits, node, temperature, top_p, proposal, anchor, rule):
     """One node kernel's output for node ``node`` (a traced scalar, ``-1`` = anchor) of every row:
     ``child [B, N]`` and ``bonus [B, V]``."""
     batch, budget = tree.tokens.shape
     nodes = jnp.full((batch,), node, jnp.int32)
-    target = jnp.exp(processed_logprobs(jnp.take(logits, node + 1, axis=1), temp, top_p))
+    target = jnp.exp(processed_logprobs(jnp.take(logits, node + 1, axis=1), temperature, top_p))
     children = children_of(tree, nodes, MAX_DEPTH)
     if rule == "match":
         return match_node_probs(tree, target, children)
-    return rejection_node_probs(tree, proposal, anchor, target, nodes, children, temp, top_p, budget)
+    return rejection_node_probs(tree, proposal, anchor, target, nodes, children, temperature, top_p, budget)
 
 
 def round_law(child, bonus, tokens, p2, p3) -> np.ndarray:
@@ -313,7 +313,7 @@ def round_law(child, bonus, tokens, p2, p3) -> np.ndarray:
     return law
 
 
-def exact_law(rule, temp, top_p, weights, rows, target):
+def exact_law(rule, temperature, top_p, weights, rows, target):
     """Mixture over draft draws of each draw's round law, and the target's joint law."""
     pad = 96 - len(rows)  # one compiled shape for every case
     assert pad >= 0
@@ -321,10 +321,10 @@ def exact_law(rule, temp, top_p, weights, rows, target):
     t = jax.tree.map(np.asarray, tree)
     logits = jnp.asarray(target.verification_logits(t.tokens, t.parents, t.depths))
     n = len(rows) + pad
-    tables = [node_table(tree, logits, np.int32(s), full(n, temp), full(n, top_p), make_proposal(n),
+    tables = [node_table(tree, logits, np.int32(s), full(n, temperature), full(n, top_p), make_proposal(n),
                          full(n, ANCHOR, np.int32), rule) for s in range(-1, BUDGET)]
     child, bonus = (np.stack([np.asarray(table[i]) for table in tables], axis=1) for i in range(2))
-    p1, p2, p3 = target.conditionals(temp, top_p)
+    p1, p2, p3 = target.conditionals(temperature, top_p)
     law = sum(w * round_law(child[b], bonus[b], t.tokens[b], p2, p3) for b, w in enumerate(weights))
     return law, p1[:, None, None] * p2[:, :, None] * p3
 
@@ -343,10 +343,10 @@ EXACT_CASES = {
 def test_round_law_is_exact(rule, case):
     """Mixture over every draft draw (probabilities of drawing without replacement) of the
     round's output law equals the target's joint law of the first three tokens within 1e-6."""
-    temp, top_p, admit = EXACT_CASES[case]
-    weights, rows = enumerate_draws(temp, top_p, admit)
+    temperature, top_p, admit = EXACT_CASES[case]
+    weights, rows = enumerate_draws(temperature, top_p, admit)
     assert abs(weights.sum() - 1) < 1e-12
-    law, joint = exact_law(rule, temp, top_p, weights, rows, TinyTarget(seed=3, scale=1.5))
+    law, joint = exact_law(rule, temperature, top_p, weights, rows, TinyTarget(seed=3, scale=1.5))
     np.testing.assert_allclose(law, joint, atol=1e-6, rtol=0)
     # The first two tokens, the round's minimum that a depth-2 tree can fully decide.
     np.testing.assert_allclose(law.sum(-1), joint.sum(-1), atol=1e-6, rtol=0)
@@ -385,9 +385,9 @@ def test_rejection_step_values():
 # ----------------------------------------------------------------------------- Monte Carlo
 
 
-def sample_trees(rng, n, temp, top_p):
+def sample_trees(rng, n, temperature, top_p):
     """``n`` independent sampled trees (two siblings, one grandchild each) as node arrays."""
-    q1, q2 = draft_probs(temp, top_p)
+    q1, q2 = draft_probs(temperature, top_p)
 
     def draw(probs):  # one inverse-CDF draw per row from [n, M] probabilities
         probs = probs / probs.sum(-1, keepdims=True)
@@ -408,18 +408,18 @@ TRACES = collections.Counter()
 
 
 @functools.partial(jax.jit, static_argnames=("rule",))
-def verify(tree, logits, keys, temp, top_p, proposal, anchor, rule):
+def verify(tree, logits, keys, temperature, top_p, proposal, anchor, rule):
     """The dispatcher under jit, counting its traces per (rule, tree shape)."""
     TRACES[(rule, tree.tokens.shape)] += 1
-    return accept(tree, logits, rule=rule, max_depth=MAX_DEPTH, keys=keys, temp=temp, top_p=top_p,
+    return accept(tree, logits, rule=rule, max_depth=MAX_DEPTH, keys=keys, temperature=temperature, top_p=top_p,
                   proposal=proposal, anchor=anchor, branch=2)
 
 
-def run_sampled(rule, arrays, logits, temp, top_p, keys):
+def run_sampled(rule, arrays, logits, temperature, top_p, keys):
     """``verify`` on node arrays (``tree_arrays`` / ``sample_trees``) and ``[B, N + 1, V]`` logits."""
     n = arrays["tokens"].shape[0]
-    temp = np.array(np.broadcast_to(temp, (n,)), np.float64)
-    return verify(draft_tree(**arrays), jnp.asarray(logits), keys, temp, full(n, top_p),
+    temperature = np.array(np.broadcast_to(temperature, (n,)), np.float64)
+    return verify(draft_tree(**arrays), jnp.asarray(logits), keys, temperature, full(n, top_p),
                   make_proposal(n), full(n, ANCHOR, np.int32), rule)
 
 
@@ -440,8 +440,8 @@ ALPHA = 1e-3
 TV_ERROR = 0.02
 
 
-@pytest.mark.parametrize("rule,temp,top_p", [("rejection", 0.8, 0.95), ("match", 1.0, 1.0)])
-def test_monte_carlo_of_jitted_walk(rule, temp, top_p):
+@pytest.mark.parametrize("rule,temperature,top_p", [("rejection", 0.8, 0.95), ("match", 1.0, 1.0)])
+def test_monte_carlo_of_jitted_walk(rule, temperature, top_p):
     """Chi-square of the first emitted token and of the first two (after the bonus, the second
     comes from the target's conditional) over 40,000 independent rows, against the target.
 
@@ -454,18 +454,18 @@ def test_monte_carlo_of_jitted_walk(rule, temp, top_p):
     rng = np.random.default_rng(11)
     target = TinyTarget(seed=5, scale=0.8)
     if rule == "rejection":
-        arrays = sample_trees(rng, MC_ROWS, temp, top_p)
+        arrays = sample_trees(rng, MC_ROWS, temperature, top_p)
     else:  # the match rule's usual tree: deterministic top-2 children, top-1 grandchildren
-        q1, q2 = draft_probs(temp, top_p)
+        q1, q2 = draft_probs(temperature, top_p)
         k = np.argsort(-q1)[:2]
         j = np.argmax(q2[POOL_IDS[0, k]], -1)
         arrays = dict(tokens=np.tile(np.r_[POOL_IDS[0, k], POOL_IDS[1, j]], (MC_ROWS, 1)),
                       parents=np.tile([-1, -1, 0, 1], (MC_ROWS, 1)), depths=np.tile([1, 1, 2, 2], (MC_ROWS, 1)),
                       ranks=np.tile([0, 1, 0, 0], (MC_ROWS, 1)), pool_index=np.tile(np.r_[k, j], (MC_ROWS, 1)),
                       valid=np.ones((MC_ROWS, 4), bool))
-    out = jax.tree.map(np.asarray, run_sampled(rule, arrays, target_logits(target, arrays), temp, top_p,
+    out = jax.tree.map(np.asarray, run_sampled(rule, arrays, target_logits(target, arrays), temperature, top_p,
                                                row_keys(MC_ROWS, seed=2)))
-    p1, p2, _ = target.conditionals(temp, top_p)
+    p1, p2, _ = target.conditionals(temperature, top_p)
     y1 = np.where(out.n_accepted >= 1, out.path_tokens[:, 0], out.bonus)
     after_bonus = np.argmax(rng.random(MC_ROWS)[:, None] < np.cumsum(p2[y1], -1), axis=-1)
     y2 = np.where(out.n_accepted >= 2, out.path_tokens[:, 1],
@@ -530,10 +530,10 @@ def test_accept_refuses_bad_combinations():
     n = 2
     tree = tree_from_nodes([[(1, -1)]] * n, BUDGET)
     logits = jnp.zeros((n, BUDGET + 1, V))
-    sampling = dict(keys=row_keys(n), temp=full(n, 1.0), top_p=full(n, 1.0))
+    sampling = dict(keys=row_keys(n), temperature=full(n, 1.0), top_p=full(n, 1.0))
     with pytest.raises(ValueError, match="verify rule 'typical' is unknown"):
         accept(tree, logits, rule="typical", max_depth=2, **sampling)
-    with pytest.raises(ValueError, match="keys, temp and top_p"):
+    with pytest.raises(ValueError, match="keys, temperature and top_p"):
         accept(tree, logits, rule="match", max_depth=2)
     with pytest.raises(ValueError, match="Proposal and anchor"):
         accept(tree, logits, rule="rejection", max_depth=2, **sampling)

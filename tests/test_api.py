@@ -44,9 +44,9 @@ def calls(monkeypatch):
     return counts
 
 
-@pytest.mark.parametrize("temp", [0.0, 0.7])
-def test_a_second_generate_compiles_nothing_binds_no_drafter_and_places_no_weights(lm, calls, temp):
-    settings = dict(method="dspark", budget=4, drafter="random", max_new_tokens=12, temp=temp)
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_second_generate_compiles_nothing_binds_no_drafter_and_places_no_weights(lm, calls, temperature):
+    settings = dict(method="dspark", budget=4, drafter="random", max_new_tokens=12, temperature=temperature)
     first = lm.generate(PROMPT, **settings)
     assert calls == {"bind": 1, "place": 1}  # the session's: the drafter bound and placed once
     again = lm.generate(PROMPT, **settings)
@@ -57,33 +57,36 @@ def test_a_second_generate_compiles_nothing_binds_no_drafter_and_places_no_weigh
 
 
 def test_new_settings_or_sampling_mode_get_their_own_session(lm):
-    greedy = lm.session("dspark", 4, drafter="random")
-    assert lm.session("dspark", 4, drafter="random") is greedy
-    assert lm.session("dspark", 4, drafter="random", greedy=False) is not greedy
-    assert lm.session("dspark", 8, drafter="random") is not greedy
-    assert lm.session("dspark", 4, drafter="random", stop=False) is not greedy
-    assert lm.session("ar") is lm.session("ar") and lm.session("ar").spec is None
+    settings = ts.GenerationConfig(method="dspark", budget=4, drafter="random")
+    greedy = lm.session(settings)
+    assert lm.session(method="dspark", budget=4, drafter="random") is greedy
+    assert lm.session(settings, max_new_tokens=7, top_p=0.5, seed=3) is greedy  # not a session's settings
+    assert lm.session(settings, temperature=0.7) is not greedy
+    assert lm.session(settings, temperature=0.7) is lm.session(settings, temperature=1.3)  # one sampling mode
+    assert lm.session(settings, budget=8) is not greedy
+    assert lm.session(settings, cost_aware_stop=False) is not greedy
+    assert lm.session(method="ar") is lm.session(method="ar") and lm.session(method="ar").spec is None
 
 
 def test_a_drafter_object_is_bound_again_when_its_weights_change(lm, calls):
     drafter = lm.drafter("dspark", "random")
-    session = lm.session("dspark", 4, drafter=drafter)
-    assert lm.session("dspark", 4, drafter=drafter) is session and calls["bind"] == 0  # "random" was bound
+    session = lm.session(method="dspark", budget=4, drafter=drafter)
+    assert lm.session(method="dspark", budget=4, drafter=drafter) is session and calls["bind"] == 0  # "random" was bound
     drafter.mask_embed[...] = drafter.mask_embed[...] + 1.0  # a new array, as a training step makes
-    retrained = lm.session("dspark", 4, drafter=drafter)
+    retrained = lm.session(method="dspark", budget=4, drafter=drafter)
     assert retrained is not session and calls["bind"] == 1
     np.testing.assert_array_equal(retrained.spec.proposer.weights.params["mask_embed"][...], drafter.mask_embed[...])
 
 
 def test_warmup_from_shapes_leaves_nothing_to_compile(lm):
-    session = lm.session("dspark", 4, drafter="random", greedy=False)
+    session = lm.session(method="dspark", budget=4, drafter="random", temperature=1.0)
     before = jitted.compiled_programs()
     compiled = session.warmup(batch=1, prompt_len=20, max_new_tokens=40)
     assert compiled == jitted.compiled_programs() - before
-    result = lm.generate("x" * 17, method="dspark", budget=4, drafter="random", temp=0.5, max_new_tokens=33)
+    result = lm.generate("x" * 17, method="dspark", budget=4, drafter="random", temperature=0.5, max_new_tokens=33)
     assert result.stats.compiles == 0  # same buckets: 1 row, prompt 32, output 64
 
 
 def test_a_session_refuses_a_temperature_of_the_other_mode(lm):
     with pytest.raises(ValueError, match="temperature 0.5 does not fit this session, which decodes greedily"):
-        lm.session("ar").generate([[1, 2]], 4, temp=0.5)
+        lm.session(method="ar").generate([[1, 2]], 4, temperature=0.5)

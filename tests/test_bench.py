@@ -53,19 +53,22 @@ def test_bench_rows_are_greedy_equal_and_compile_once_per_budget(tiny_dir, promp
     assert depth and all(a is None or 0.0 <= a <= 1.0 for a in depth)
 
 
-@pytest.mark.parametrize("flags, skip, stop", [((), True, True), (("--no-skip-drafting",), False, True),
-                                               (("--no-cost-aware-stop",), True, False)])
-def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path, flags, skip, stop):
+@pytest.mark.parametrize("flags, skip_drafting, cost_aware_stop", [((), True, True), (("--no-skip-drafting",), False, True),
+                                                                  (("--no-cost-aware-stop",), True, False)])
+def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path, flags, skip_drafting,
+                                                 cost_aware_stop):
     out = tmp_path / "bench.json"
-    assert _bench(tiny_dir, prompt_file, out, "--methods", "ar,dspark", "--budgets", "4", "--temp", "1",
+    assert _bench(tiny_dir, prompt_file, out, "--methods", "ar,dspark", "--budgets", "4", "--temperature", "1",
                   "--drafter", "dspark=random", "--builder", "treespark", "--limit", "1", *flags) == 0
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert [r["greedy_equal"] for r in rows] == [None, None] and rows[1]["temp"] == 1.0
-    assert (rows[1]["builder"], rows[1]["verify"], rows[1]["stop"]) == ("treespark", "rejection", stop)
-    assert rows[1]["skip"] is skip and report["protocol"]["skip_drafting"] is skip
-    assert report["protocol"]["cost_aware_stop"] is (None if stop else False)
-    assert 0.0 <= rows[1]["skipped"] <= (1.0 if skip else 0.0) and rows[0]["skipped"] == 0.0
+    assert [r["greedy_equal"] for r in rows] == [None, None] and rows[1]["temperature"] == 1.0
+    assert report["protocol"]["temperature"] == 1.0
+    assert (rows[1]["builder"], rows[1]["verify"], rows[1]["cost_aware_stop"]) == ("treespark", "rejection",
+                                                                               cost_aware_stop)
+    assert rows[1]["skip_drafting"] is skip_drafting and report["protocol"]["skip_drafting"] is skip_drafting
+    assert report["protocol"]["cost_aware_stop"] is (None if cost_aware_stop else False)
+    assert 0.0 <= rows[1]["skipped"] <= (1.0 if skip_drafting else 0.0) and rows[0]["skipped"] == 0.0
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -80,7 +83,7 @@ def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path
     (["--json-out", "/nonexistent-folder/r.json"], "--json-out /nonexistent-folder/r.json: its folder does not exist"),
     (["--json-out", "."], "--json-out . is a directory; give a file path"),
     (["--seed", "-1"], "seed -1 is outside 0..4294967295"),
-    (["--temp", "-1"], "temperature -1.0 is negative"),
+    (["--temperature", "-1"], "temperature -1.0 is negative"),
 ])
 def test_bench_bad_input_is_one_sentence(tiny_dir, prompt_file, tmp_path, capsys, flags, message):
     assert _bench(tiny_dir, prompt_file, tmp_path / "x.json", *flags) == 2

@@ -42,15 +42,15 @@ def as_numpy(tree) -> dict[str, np.ndarray]:
 
 
 @jax.jit
-def _child_logq(proposal, depth, parent_tok, temp, top_p):
-    t = jnp.broadcast_to(temp[:, None], depth.shape)
+def _child_logq(proposal, depth, parent_tok, temperature, top_p):
+    t = jnp.broadcast_to(temperature[:, None], depth.shape)
     p = jnp.broadcast_to(top_p[:, None], depth.shape)
     return processed_logprobs(child_logits(proposal, depth, parent_tok), t, p)
 
 
-def node_logq(tree, proposal, anchor, temp, top_p) -> np.ndarray:
+def node_logq(tree, proposal, anchor, temperature, top_p) -> np.ndarray:
     """``[B, N, M]`` processed draft log-probs of each node's own child set (its parent's ``q``;
-    pass ``temp = top_p = 1`` for a greedy tree)."""
+    pass ``temperature = top_p = 1`` for a greedy tree)."""
     parents = np.asarray(tree.parents)
     tokens = np.asarray(tree.tokens)
     parent_tok = np.where(parents < 0, np.asarray(anchor)[:, None],
@@ -58,18 +58,18 @@ def node_logq(tree, proposal, anchor, temp, top_p) -> np.ndarray:
     depth = np.clip(np.asarray(tree.depths), 1, proposal.block_size)
     b = tokens.shape[0]
     return np.asarray(_child_logq(proposal, jnp.asarray(depth), jnp.asarray(parent_tok),
-                                  jnp.broadcast_to(jnp.asarray(temp, jnp.float32), (b,)),
+                                  jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)),
                                   jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,))))
 
 
-def check_tree(tree, proposal, anchor, cfg: TreeConfig, temp, top_p, deterministic_rows):
+def check_tree(tree, proposal, anchor, cfg: TreeConfig, temperature, top_p, deterministic_rows):
     """Every structural promise of ``build_tree``, row by row."""
     t = as_numpy(tree)
     b, n = t["tokens"].shape
     assert n == cfg.budget and all(v.shape == (b, n) for v in t.values())
     pool_ids = np.asarray(proposal.pool_ids)
     pool_logits = np.asarray(proposal.pool_logits)
-    logq = node_logq(tree, proposal, anchor, temp, top_p)
+    logq = node_logq(tree, proposal, anchor, temperature, top_p)
     branch = 1 if cfg.builder == "chain" else cfg.branch
     for r in range(b):
         valid = t["valid"][r]
@@ -122,7 +122,7 @@ def test_tree_invariants(builder, rule, seed, invalid):
     b = len(SWEEP_TEMP)
     proposal = masked(random_proposal(jax.random.key(seed), b, 5, 6, 40, 3), invalid, seed)
     anchor = jnp.asarray(np.random.default_rng(seed).integers(0, 40, b), jnp.int32)
-    tree = build_tree(proposal, anchor, cfg, rule=rule, temp=SWEEP_TEMP, top_p=SWEEP_TOP_P, keys=row_keys(seed, b))
+    tree = build_tree(proposal, anchor, cfg, rule=rule, temperature=SWEEP_TEMP, top_p=SWEEP_TOP_P, keys=row_keys(seed, b))
     greedy = rule == "greedy"  # ranked and scored at temperature 1 without a nucleus
     t = check_tree(tree, proposal, anchor, cfg, 1.0 if greedy else SWEEP_TEMP, 1.0 if greedy else SWEEP_TOP_P,
                    deterministic_rows=np.full(b, rule != "rejection"))
@@ -140,11 +140,11 @@ def test_rows_are_independent():
     proposal = random_proposal(jax.random.key(5), b, 5, 6, 40, 3)
     anchor = jnp.arange(b, dtype=jnp.int32)
     keys = row_keys(5, b)
-    sampled = as_numpy(build_tree(proposal, anchor, cfg, rule="rejection", temp=SWEEP_TEMP, top_p=SWEEP_TOP_P,
+    sampled = as_numpy(build_tree(proposal, anchor, cfg, rule="rejection", temperature=SWEEP_TEMP, top_p=SWEEP_TOP_P,
                                   keys=keys))
     flip = np.arange(b)[::-1]
     flipped = proposal.replace(**{f: getattr(proposal, f)[flip] for f in ROW_FIELDS})
-    again = as_numpy(build_tree(flipped, anchor[flip], cfg, rule="rejection", temp=SWEEP_TEMP[flip],
+    again = as_numpy(build_tree(flipped, anchor[flip], cfg, rule="rejection", temperature=SWEEP_TEMP[flip],
                                 top_p=SWEEP_TOP_P[flip], keys=keys[flip]))
     for f in FIELDS:
         np.testing.assert_array_equal(again[f][flip], sampled[f])
@@ -166,7 +166,7 @@ def test_non_candidate_depth_ends_every_path():
     proposal = proposal.replace(pool_logits=proposal.pool_logits.at[:, 1].set(-jnp.inf))
     for rule in TREE_RULES:
         tree = build_tree(proposal, jnp.zeros(b, jnp.int32), TreeConfig(builder="treespark", **SWEEP_CFG),
-                          rule=rule, temp=np.ones(b), top_p=np.ones(b), keys=row_keys(0, b))
+                          rule=rule, temperature=np.ones(b), top_p=np.ones(b), keys=row_keys(0, b))
         assert (np.asarray(tree.valid).sum(axis=1) == SWEEP_CFG["branch"]).all()
         assert (np.asarray(tree.depths)[:, :SWEEP_CFG["branch"]] == 1).all()
 
@@ -190,15 +190,15 @@ def log_softmax(x):
     return np.where(finite, x - mx - z, -np.inf)
 
 
-def reference_log_survival(p: dict, r: int, builder: str, depth: int, token: int, temp: float) -> np.ndarray:
+def reference_log_survival(p: dict, r: int, builder: str, depth: int, token: int, temperature: float) -> np.ndarray:
     """Numpy survival model of ``tree/children.py`` (no nucleus)."""
     j = depth - 1
     logits = p["pool_logits"][r, j] + p["markov_parent"][token] @ p["markov_child"][r, j]
-    logq = log_softmax(logits / (temp if temp > 0 else 1.0))
+    logq = log_softmax(logits / (temperature if temperature > 0 else 1.0))
     if builder == "parent_conditioned":
         return logq
     if builder == "marginal":
-        return np.where(np.isfinite(logq), log_softmax(p["pool_logits"][r, j] / (temp if temp > 0 else 1.0)),
+        return np.where(np.isfinite(logq), log_softmax(p["pool_logits"][r, j] / (temperature if temperature > 0 else 1.0)),
                         -np.inf)
     edge = (p["edge_scale"][j] * log_softmax(logits) + p["edge_bias"][r, j] + p["edge_parent"][token]
             + p["edge_child"][r, j])
@@ -207,7 +207,7 @@ def reference_log_survival(p: dict, r: int, builder: str, depth: int, token: int
     return ls - max(total, 0.0)
 
 
-def reference_best_first(p: dict, r: int, anchor: int, cfg: TreeConfig, temp: float):
+def reference_best_first(p: dict, r: int, anchor: int, cfg: TreeConfig, temperature: float):
     """Textbook best-first with a heap holding every offered child: ``(parent, pool index, rank,
     depth, token, score)`` per admitted node."""
     heap, out, counter = [], [], itertools.count()
@@ -215,7 +215,7 @@ def reference_best_first(p: dict, r: int, anchor: int, cfg: TreeConfig, temp: fl
     def offer(node, depth, token, score):
         if depth >= cfg.max_depth:
             return
-        ls = reference_log_survival(p, r, cfg.builder, depth + 1, token, temp)
+        ls = reference_log_survival(p, r, cfg.builder, depth + 1, token, temperature)
         for rank, m in enumerate(np.argsort(-ls, kind="stable")[:cfg.branch]):
             if np.isfinite(ls[m]):
                 heapq.heappush(heap, (-(score + ls[m]), next(counter), node, int(m), rank, depth + 1))
@@ -245,16 +245,16 @@ def test_deterministic_builders_equal_reference_best_first(builder):
     """float64, random continuous logits (no ties); the greedy rule (temperature 1) and the match
     rule at per-row temperatures."""
     cfg = TreeConfig(budget=12, max_depth=3, branch=2, builder=builder)
-    temp = np.array([0.5, 2.0, 0.9, 1.1, 0.7, 1.3, 1.0, 0.3])
+    temperature = np.array([0.5, 2.0, 0.9, 1.1, 0.7, 1.3, 1.0, 0.3])
     with jax.enable_x64(True):
-        proposal = masked(random_proposal(jax.random.key(7), len(temp), 3, 5, 7, 3, dtype=jnp.float64),
+        proposal = masked(random_proposal(jax.random.key(7), len(temperature), 3, 5, 7, 3, dtype=jnp.float64),
                           0.15, 7)
-        anchor = np.arange(len(temp)) % 7
-        trees = {rule: as_numpy(build_tree(proposal, jnp.asarray(anchor, jnp.int32), cfg, rule=rule, temp=temp))
+        anchor = np.arange(len(temperature)) % 7
+        trees = {rule: as_numpy(build_tree(proposal, jnp.asarray(anchor, jnp.int32), cfg, rule=rule, temperature=temperature))
                  for rule in ("greedy", "match")}
     p = {f: np.asarray(getattr(proposal, f)) for f in proposal.__dataclass_fields__}
-    for rule, temps in (("greedy", np.ones_like(temp)), ("match", temp)):
-        for r in range(len(temp)):
+    for rule, temps in (("greedy", np.ones_like(temperature)), ("match", temperature)):
+        for r in range(len(temperature)):
             assert_same_nodes(tree_rows(trees[rule], r), reference_best_first(p, r, int(anchor[r]), cfg, temps[r]))
 
 
@@ -291,16 +291,16 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return stats.chisquare(counts[keep], probs[keep] / probs[keep].sum() * counts.sum()).pvalue
 
 
-@pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (0.7, 0.8)])
-def test_sampled_siblings_are_draws_without_replacement(temp, top_p):
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampled_siblings_are_draws_without_replacement(temperature, top_p):
     """Joint law of the anchor's first two children: q(a) q(b) / (1 − q(a)); false alarm 1e-4."""
     n, m = 20_000, 5
     one = random_proposal(jax.random.key(11), 1, 2, m, 30, 3, logit_scale=1.0)
     anchor = jnp.full(n, 4, jnp.int32)
     tree = build_tree(tile_rows(one, n), anchor, TreeConfig(budget=2, max_depth=1, branch=2, builder="treespark"),
-                      rule="rejection", temp=temp, top_p=top_p, keys=row_keys(5, n))
+                      rule="rejection", temperature=temperature, top_p=top_p, keys=row_keys(5, n))
     q = np.exp(np.asarray(processed_logprobs(child_logits(one, jnp.ones((1, 1), jnp.int32),
-                                                          anchor[:1, None])[0, 0], temp, top_p)))
+                                                          anchor[:1, None])[0, 0], temperature, top_p)))
     first, second = (np.asarray(tree.pool_index[:, i]) for i in (0, 1))
     assert (np.asarray(tree.sibling_rank[:, :2]) == [0, 1]).all() or (q > 0).sum() < 2
     assert chi_square_p(np.bincount(first, minlength=m), q) > 1e-4
@@ -359,19 +359,19 @@ def test_swapping_a_drawn_token_changes_nothing_it_could_anticipate(builder):
     b, n, m = 8, 10, 5
     cfg = dict(budget=n, max_depth=3, branch=3, builder=builder)
     with jax.enable_x64(True):
-        temp = top_p = jnp.ones(b, jnp.float64)
+        temperature = top_p = jnp.ones(b, jnp.float64)
         proposal = random_proposal(jax.random.key(21), b, 3, m, 7, 3, logit_scale=1.0, dtype=jnp.float64)
         anchor = jnp.arange(b, dtype=jnp.int32)
         build = jax.jit(functools.partial(best_first, **cfg))
         gumbel = np.random.default_rng(4).gumbel(size=(b, n, m))
-        t = as_numpy(build(proposal, anchor, temp=temp, top_p=top_p, gumbel=jnp.asarray(gumbel)))
+        t = as_numpy(build(proposal, anchor, temperature=temperature, top_p=top_p, gumbel=jnp.asarray(gumbel)))
 
         def redraw(internal: np.ndarray, rank: np.ndarray) -> np.ndarray:
             """Noise where draw ``rank[r]`` of node ``internal[r]`` becomes the next candidate in line."""
             node = internal - 1
             depth = np.where(node < 0, 0, t["depths"][np.arange(b), np.maximum(node, 0)])
             token = np.where(node < 0, np.asarray(anchor), t["tokens"][np.arange(b), np.maximum(node, 0)])
-            logq = np.asarray(draft_logprobs(proposal, jnp.asarray(depth + 1), jnp.asarray(token), temp, top_p))
+            logq = np.asarray(draft_logprobs(proposal, jnp.asarray(depth + 1), jnp.asarray(token), temperature, top_p))
             g = gumbel.copy()
             for r in range(b):
                 keys = logq[r] + g[r, internal[r]]
@@ -383,7 +383,7 @@ def test_swapping_a_drawn_token_changes_nothing_it_could_anticipate(builder):
 
         # Admitted node v: a different slot in each row (nodes after it may legitimately change).
         v = (3 * np.arange(b) + 1) % t["valid"].sum(axis=1)
-        moved = as_numpy(build(proposal, anchor, temp=temp, top_p=top_p,
+        moved = as_numpy(build(proposal, anchor, temperature=temperature, top_p=top_p,
                                gumbel=jnp.asarray(redraw(t["parents"][np.arange(b), v] + 1,
                                                          t["sibling_rank"][np.arange(b), v]))))
         for r in range(b):
@@ -401,7 +401,7 @@ def test_swapping_a_drawn_token_changes_nothing_it_could_anticipate(builder):
                           and (u == 0 or t["valid"][r, u - 1])]
             internal[r] = open_nodes[-1]
             rank[r] = counts[internal[r]]
-        same = as_numpy(build(proposal, anchor, temp=temp, top_p=top_p, gumbel=jnp.asarray(redraw(internal, rank))))
+        same = as_numpy(build(proposal, anchor, temperature=temperature, top_p=top_p, gumbel=jnp.asarray(redraw(internal, rank))))
         for f in FIELDS:
             np.testing.assert_array_equal(same[f], t[f])
 
@@ -413,9 +413,9 @@ def test_one_compile_per_budget():
     traces = []
 
     @functools.partial(jax.jit, static_argnames=("cfg", "rule"))
-    def round_build(proposal, anchor, temp, top_p, keys, cfg, rule):
+    def round_build(proposal, anchor, temperature, top_p, keys, cfg, rule):
         traces.append(cfg.budget)
-        return build_tree(proposal, anchor, cfg, rule=rule, temp=temp, top_p=top_p, keys=keys)
+        return build_tree(proposal, anchor, cfg, rule=rule, temperature=temperature, top_p=top_p, keys=keys)
 
     b = len(SWEEP_TEMP)
     for seed in range(3):
@@ -469,7 +469,7 @@ def test_stop_rules_on_a_tree_and_their_difference():
     b = len(SWEEP_TEMP)
     proposal = random_proposal(jax.random.key(0), b, 5, 6, 40, 3)
     tree = build_tree(proposal, jnp.zeros(b, jnp.int32), TreeConfig(builder="treespark", **SWEEP_CFG),
-                      rule="match", temp=SWEEP_TEMP, top_p=SWEEP_TOP_P, keys=row_keys(0, b))
+                      rule="match", temperature=SWEEP_TEMP, top_p=SWEEP_TOP_P, keys=row_keys(0, b))
     acc = expected_accepted(tree)
     np.testing.assert_allclose(acc, np.cumsum(np.where(tree.valid, np.exp(tree.score), 0), axis=1), rtol=1e-6)
     assert (np.diff(np.asarray(acc), axis=1) >= 0).all()

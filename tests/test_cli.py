@@ -119,7 +119,7 @@ def test_drafting_flags_reach_the_round_and_keep_greedy_output(tmp_path, capsys)
     (["--prompt", "hi", "--seed", "-1"], "seed -1 is outside 0..4294967295"),
     (["--prompt", "hi " * 9000], "more than the model's context of 8192 tokens"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens=0 must be at least 1"),
-    (["--prompt", "hi", "--temp", "-1"], "temperature -1.0 is negative"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature -1.0 is negative"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
     (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be between 1 and 1024"),
     (["--prompt", "hi", "--budget", "100000"], "budget=100000 must be between 1 and 1024"),
@@ -162,7 +162,7 @@ def _largest(path) -> str:
 def test_unknown_preset_and_models_list(capsys):
     assert main(["generate", "--preset", "no-such-model", "--prompt", "hi"]) == 2
     assert "unknown preset 'no-such-model'" in capsys.readouterr().err
-    assert main(["generate", "--preset", "no-such-model", "--prompt", "hi", "--temp", "-1"]) == 2
+    assert main(["generate", "--preset", "no-such-model", "--prompt", "hi", "--temperature", "-1"]) == 2
     assert "temperature -1.0 is negative" in capsys.readouterr().err  # checked before any loading
     assert main(["models", "list"]) == 0
     assert "smollm2-135m" in capsys.readouterr().out
@@ -195,8 +195,8 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     from treespark_jax.prompts.load import load_prompts
 
     out = tmp_path / "self.jsonl"
-    args = ["self-prompts", "--preset", preset, "--n", "3", "--max-new-tokens", "24", "--batch-size", "4"]
-    assert main(args + ["--out", str(out)]) == 0
+    args = ["self-prompts", "--preset", preset, "--limit", "3", "--max-new-tokens", "24", "--batch-size", "4"]
+    assert main(args + ["--json-out", str(out)]) == 0
     assert "prompts  3 of 3" in capsys.readouterr().out
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [set(x) for x in lines] == [{"id", "prompt", "seed", "finished"}] * 3
@@ -204,24 +204,66 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     assert [r.id for r in records] == [x["id"] for x in lines] and all(r.id.startswith("self/0/") for r in records)
     assert len({r.turns[0] for r in records}) == 3 and all(r.turns[0].strip() for r in records)
     again = tmp_path / "again.jsonl"
-    assert main(args + ["--out", str(again)]) == 0 and again.read_text() == out.read_text()  # seeded
+    assert main(args + ["--json-out", str(again)]) == 0 and again.read_text() == out.read_text()  # seeded
     before = out.read_text()
-    assert main(args + ["--out", str(out)]) == 2  # never overwritten
+    assert main(args + ["--json-out", str(out)]) == 2  # never overwritten
     assert "already exists" in capsys.readouterr().err and out.read_text() == before
     none = tmp_path / "none.jsonl"  # 2-token turns that must end at end-of-turn: none is usable
-    flags = ["--max-new-tokens", "2", "--batch-size", "4", "--drop-unfinished", "--out", str(none)]
+    flags = ["--max-new-tokens", "2", "--batch-size", "4", "--drop-unfinished", "--json-out", str(none)]
     assert main(args[:-4] + flags) == 2
     assert "no usable user turn" in capsys.readouterr().err and not none.exists()
     assert not list(tmp_path.glob(".*partial"))
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--n", "0"], "--n 0 must be at least 1"),
-    (["--n", "2", "--seed", "-1"], "--seed -1 must be at least 0"),
-    (["--n", "2", "--batch-size", "0"], "--batch-size 0 must be at least 1"),
+    (["--limit", "0"], "--limit 0 must be at least 1"),
+    (["--limit", "2", "--seed", "-1"], "--seed -1 must be at least 0"),
+    (["--limit", "2", "--batch-size", "0"], "--batch-size 0 must be at least 1"),
 ])
 def test_self_prompts_bad_input_is_one_sentence_and_exit_2(capsys, tmp_path, flags, message):
     out = tmp_path / "p.jsonl"
-    assert main(["self-prompts", "--preset", "no-such-model", *flags, "--out", str(out)]) == 2  # before any load
+    assert main(["self-prompts", "--preset", "no-such-model", *flags, "--json-out", str(out)]) == 2  # before any load
     err = capsys.readouterr().err.strip()
     assert err.startswith("treespark: error: ") and message in err and "\n" not in err and not out.exists()
+
+
+def test_flags_share_one_vocabulary_across_commands(capsys):
+    """--temperature, --batch-size, --limit, --mesh where a model runs, --out a directory and
+    --json-out a file, --loss with choices; the old spellings are gone."""
+    from treespark_jax.cli import _parser
+
+    commands = _parser()._subparsers._group_actions[0].choices  # name → the subcommand's parser
+    flags = {name: {o for a in p._actions for o in a.option_strings} for name, p in commands.items()}
+    for name in ("generate", "bench", "rollout"):
+        assert "--temperature" in flags[name] and "--temp" not in flags[name]
+    for name in ("generate", "bench", "rollout", "self-prompts", "train"):
+        assert "--mesh" in flags[name], name
+    for name in ("rollout", "self-prompts", "train", "eval-drafter"):
+        assert "--batch-size" in flags[name] and "--batch" not in flags[name], name
+    assert "--limit" in flags["self-prompts"] and "--n" not in flags["self-prompts"]
+    metavars = {(name, a.option_strings[0]): a.metavar for name, p in commands.items() for a in p._actions
+                if a.option_strings and a.option_strings[0] in ("--out", "--json-out")}
+    assert {k: v for k, v in metavars.items() if k[1] == "--out"} == {("rollout", "--out"): "DIR",
+                                                                   ("train", "--out"): "DIR"}
+    assert all(v.startswith("FILE") for k, v in metavars.items() if k[1] == "--json-out"), metavars
+    assert set(next(a for a in commands["train"]._actions if "--loss" in a.option_strings).choices) == {
+        "dflash", "dspark", "treespark"}
+    with pytest.raises(SystemExit):
+        main(["train", "--rollouts", "x", "--loss", "nope", "--out", "y"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_generation_config_is_checked_when_made_and_names_unknown_settings():
+    from treespark_jax.generation import GenerationConfig
+
+    with pytest.raises(ValueError, match="temperature -1 is negative"):
+        GenerationConfig(temperature=-1)
+    with pytest.raises(ValueError, match="budget=0 must be between 1 and 1024"):
+        GenerationConfig(budget=0)
+    with pytest.raises(ValueError, match="method 'fast' is unknown"):
+        GenerationConfig(method="fast")
+    with pytest.raises(ValueError, match="'temp' is not a generation setting; use one of max_new_tokens, temperature"):
+        GenerationConfig.of(temp=0.7)
+    config = GenerationConfig(method="treespark", builder="chain", temperature=0.5)
+    assert config.autoregressive() == GenerationConfig(method="ar", temperature=0.5)
+    assert not config.greedy and GenerationConfig.of(config, temperature=0).greedy

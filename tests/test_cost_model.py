@@ -332,6 +332,6 @@ def test_the_stop_reads_the_raw_medians_for_deterministic_trees_and_the_fit_for_
     raw, fit = [41.0, 48.0, 61.0, 70.0], cost.verify_cost((1, 2, 4, 8), 64)
     assert not np.allclose(raw, fit)
     np.testing.assert_allclose(plan_round(spec, True, cost).stop_verify_cost(64), raw)
-    match = dataclasses.replace(spec, verify="match")  # deterministic children at temp > 0
+    match = dataclasses.replace(spec, verify="match")  # deterministic children at temperature > 0
     np.testing.assert_allclose(plan_round(match, False, cost).stop_verify_cost(64), raw)
     np.testing.assert_allclose(plan_round(spec, False, cost).stop_verify_cost(64), fit)

@@ -100,17 +100,17 @@ def test_warmup_compiles_ahead_so_requests_do_not(model):
     eng = Engine(model, stop_ids=[])
     session = eng.session(greedy=False)
     assert session.warmup(batch=2, prompt_len=40, max_new_tokens=30) == 2  # prefill and loop, from shapes
-    _, stats = session.generate([[1] * 33, [2] * 50], 30, temp=0.5)  # same buckets: 2 rows, 64, 32
+    _, stats = session.generate([[1] * 33, [2] * 50], 30, temperature=0.5)  # same buckets: 2 rows, 64, 32
     assert stats.compiles == 0
     assert session.warmup(batch=2, prompt_len=40, max_new_tokens=30) == 0
 
 
 def test_sampling_row_does_not_depend_on_its_batch(model):
     eng = Engine(model, stop_ids=[])
-    batch, _ = eng.generate(PROMPTS, 10, temp=1.0, top_p=0.9, seed=[11, 12, 13])
-    alone, _ = eng.generate([PROMPTS[1]], 10, temp=1.0, top_p=0.9, seed=[12])
+    batch, _ = eng.generate(PROMPTS, 10, temperature=1.0, top_p=0.9, seed=[11, 12, 13])
+    alone, _ = eng.generate([PROMPTS[1]], 10, temperature=1.0, top_p=0.9, seed=[12])
     assert batch[1] == alone[0]
-    other, _ = eng.generate([PROMPTS[1]], 10, temp=1.0, top_p=0.9, seed=[99])
+    other, _ = eng.generate([PROMPTS[1]], 10, temperature=1.0, top_p=0.9, seed=[99])
     assert other[0] != alone[0]
 
 
@@ -123,7 +123,7 @@ def test_stream_yields_the_same_tokens_as_generate(model):
 
 def test_the_largest_seeds_run_in_a_padded_batch(model):
     eng = Engine(model, stop_ids=[])  # 3 prompts pad to 4 rows; row 3 would have seed 2**32
-    outs, _ = eng.generate([[1, 2], [3], [4, 5]], 4, temp=1.0, seed=2**32 - 3)
+    outs, _ = eng.generate([[1, 2], [3], [4, 5]], 4, temperature=1.0, seed=2**32 - 3)
     assert [len(o) for o in outs] == [4, 4, 4]
 
 
@@ -132,7 +132,7 @@ def test_the_largest_seeds_run_in_a_padded_batch(model):
     (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
     (dict(prompts=[[1] * 500]), "more than the model's context of 512 tokens"),
     (dict(max_new_tokens=0), "max_new_tokens=0 must be at least 1"),
-    (dict(temp=-0.5), "temperature -0.5 is negative"),
+    (dict(temperature=-0.5), "temperature -0.5 is negative"),
     (dict(top_p=0.0), "top_p=0.0 is outside (0, 1]"),
     (dict(top_p=1.5), "top_p=1.5 is outside (0, 1]"),
     (dict(seed=-1), "seed -1 is outside 0..4294967295"),
@@ -140,6 +140,6 @@ def test_the_largest_seeds_run_in_a_padded_batch(model):
     (dict(seed=[7, 2**32]), "seed 4294967296 is outside"),
 ])
 def test_bad_requests_raise_one_sentence(model, kwargs, message):
-    args = dict(prompts=[[1, 2]], max_new_tokens=20, temp=0.0, top_p=1.0, seed=0) | kwargs
+    args = dict(prompts=[[1, 2]], max_new_tokens=20, temperature=0.0, top_p=1.0, seed=0) | kwargs
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Engine(model, stop_ids=[]).generate(**args)

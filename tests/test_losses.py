@@ -59,11 +59,11 @@ Q0, Q1 = np.array([0.1, 0.6, 0.2, 0.1]), np.array([0.1, 0.1, 0.2, 0.6])
 UNIFORM = np.full(4, 0.25)
 
 
-def hand_trees(temp=1.0, accepted=(True, False, True)):
+def hand_trees(temperature=1.0, accepted=(True, False, True)):
     target = jnp.asarray(np.log([[P0, P1, UNIFORM, UNIFORM, UNIFORM]]))
     child = jnp.asarray(np.log([[Q0, Q1, UNIFORM, UNIFORM, UNIFORM]]))
     logged = LoggedTrees(tree=HAND, accepted=jnp.asarray([list(accepted) + [False]]), target_logits=target,
-                         temp=jnp.asarray([temp]))
+                         temperature=jnp.asarray([temperature]))
     return child, logged
 
 
@@ -158,10 +158,10 @@ def test_reach_weights_per_rule_on_a_hand_built_tree():
     # accepts b surely; c is accepted w.p. 0.4/0.6 below a.
     rejection = verify_targets(child, logged, "rejection")
     np.testing.assert_allclose(rejection.reach[0], [1, 5 / 6, 1 / 6, 5 / 6 * 2 / 3, 0], rtol=1e-12)
-    hot = verify_targets(child, hand_trees(temp=0.5)[1], "match")
+    hot = verify_targets(child, hand_trees(temperature=0.5)[1], "match")
     p0 = P0 ** 2 / np.sum(P0 ** 2)
     np.testing.assert_allclose(hot.reach[0, :3], [1, p0[1], p0[2]], rtol=1e-12)
-    cold = verify_targets(child, hand_trees(temp=0.0)[1], "rejection")  # temp 0 rows verify greedily
+    cold = verify_targets(child, hand_trees(temperature=0.0)[1], "rejection")  # temperature 0 rows verify greedily
     np.testing.assert_array_equal(cold.reach[0], greedy.reach[0])
     with pytest.raises(ValueError, match="verify rule 'sampled' is unknown"):
         verify_targets(child, logged, "sampled")
@@ -205,7 +205,7 @@ def test_tree_terms_of_a_drafter_equal_to_the_target():
     target = normal(6, 16, scale=2.0)
     tree = greedy_tree_of(target)
     logged = LoggedTrees(tree=tree, accepted=jnp.asarray([[True, False, True, False, False]]),
-                         target_logits=target[None], temp=jnp.asarray([1.0]))
+                         target_logits=target[None], temperature=jnp.asarray([1.0]))
     beta = LossConfig().coverage_beta
     total, terms = tree_terms(target[None], jnp.zeros((1, 5)), logged, "greedy")
     assert set(terms) == {"tree_tv", "tree_ce", "tree_coverage", "tree_edge"}
@@ -226,7 +226,7 @@ def test_tree_terms_of_a_drafter_equal_to_the_target():
     g = grad(lambda c: tree_terms(c, None, logged, "greedy")[1]["tree_coverage"])(target[None])
     assert float(g[0, 0, gold]) < 0 and np.all(np.isfinite(g))
     # Under the match rule y_u = p_u: q = p minimises the CE (zero gradient) and the L1.
-    match_logged = logged.replace(temp=jnp.asarray([0.7]))
+    match_logged = logged.replace(temperature=jnp.asarray([0.7]))
     _, terms = tree_terms(target[None], None, match_logged, "match")
     assert float(terms["tree_tv"]) < 1e-12
     g = grad(lambda c: tree_terms(c, None, match_logged, "match")[1]["tree_ce"])(target[None])
@@ -319,10 +319,10 @@ def test_draft_vocabulary_columns_give_the_distances_of_a_drafter_with_no_mass_o
                                chain_acceptance(q_full, target), rtol=1e-10)
     child_full = jnp.where(inside, normal(1, 5, v, scale=2.0), -1e9)
     node_target = normal(1, 5, v, scale=2.0)
-    for rule, temp in (("match", 0.7), ("rejection", 0.7), ("greedy", 0.0)):
-        warm = 1.0 if rule == "greedy" else temp
+    for rule, temperature in (("match", 0.7), ("rejection", 0.7), ("greedy", 0.0)):
+        warm = 1.0 if rule == "greedy" else temperature
         whole = LoggedTrees(tree=HAND, accepted=jnp.asarray([[True, False, True, False]]),
-                            target_logits=node_target, temp=jnp.asarray([temp]))
+                            target_logits=node_target, temperature=jnp.asarray([temperature]))
         cut = whole.replace(target_logits=node_target[..., ids], columns=jnp.asarray(cols)[HAND.tokens],
                             target_lse=jax.nn.logsumexp(node_target / warm, axis=-1),
                             top_columns=jnp.asarray(cols)[jnp.argmax(node_target, axis=-1)])

@@ -65,7 +65,7 @@ def test_a_draft_vocabulary_keeps_greedy_output_equal_to_ar(target64, ar_referen
 def test_sampled_generation_runs_with_the_recipes_rejection_rule(target64, method):
     spec = speculation(method, target64, 12, drafter=random_drafter(target64, method))
     assert spec.verify == "rejection" and spec.cost_aware_stop
-    ids, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 16, temp=1.0, seed=5, spec=spec)
+    ids, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 16, temperature=1.0, seed=5, spec=spec)
     assert [len(i) for i in ids] == [16] * len(SPEC_PROMPTS)
     assert_round_accounting(ids, stats, spec.tree.max_depth)
 
@@ -111,22 +111,22 @@ def test_every_drafting_method_skips_drafting_unless_told_not_to(target64):
     for method in ("prompt_lookup", "dflash", "treespark"):
         drafter = None if method == "prompt_lookup" else random_drafter(target64, method)
         assert speculation(method, target64, 8, drafter=drafter).skip_drafting is True
-        assert speculation(method, target64, 8, drafter=drafter, skip=False).skip_drafting is False
-    assert speculation("ar", target64) is None and speculation("ar", target64, skip=False) is None
+        assert speculation(method, target64, 8, drafter=drafter, skip_drafting=False).skip_drafting is False
+    assert speculation("ar", target64) is None and speculation("ar", target64, skip_drafting=False) is None
 
 
 def test_the_cost_aware_stop_follows_the_recipe_unless_overridden(target64, ar_reference):
     drafters = {m: random_drafter(target64, m) for m in ("dflash", "dspark", "ddtree", "treespark")}
     default = {m: speculation(m, target64, 8, drafter=d).cost_aware_stop for m, d in drafters.items()}
     assert default == {"dflash": False, "dspark": True, "ddtree": False, "treespark": True}
-    assert not any(speculation(m, target64, 8, drafter=d, stop=False).cost_aware_stop for m, d in drafters.items())
-    assert speculation("ddtree", target64, 8, drafter=drafters["ddtree"], stop=True).cost_aware_stop is True
-    one = speculation("treespark", target64, 1, drafter=drafters["treespark"], stop=True)
+    assert not any(speculation(m, target64, 8, drafter=d, cost_aware_stop=False).cost_aware_stop for m, d in drafters.items())
+    assert speculation("ddtree", target64, 8, drafter=drafters["ddtree"], cost_aware_stop=True).cost_aware_stop is True
+    one = speculation("treespark", target64, 1, drafter=drafters["treespark"], cost_aware_stop=True)
     assert plan_round(one, True, DEFAULT_CPU_COST).ladder == (1,)  # N = 1: nothing to choose
-    assert speculation("prompt_lookup", target64, 8, stop=False).cost_aware_stop is False
+    assert speculation("prompt_lookup", target64, 8, cost_aware_stop=False).cost_aware_stop is False
     assert speculation("prompt_lookup", target64, 8, builder="treespark").cost_aware_stop is False  # nothing to stop on
     # Without the stop every round verifies the whole budget; greedy output stays AR's.
-    spec = speculation("treespark", target64, 12, drafter=drafters["treespark"], stop=False, skip=False)
+    spec = speculation("treespark", target64, 12, drafter=drafters["treespark"], cost_aware_stop=False, skip_drafting=False)
     ids, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40, spec=spec)
     assert ids == ar_reference and stats.skipped_rounds == 0
     assert len(stats.rung_rounds) == 1 and stats.rung_rounds[0] > 0  # one rung: the whole budget
@@ -136,9 +136,9 @@ def test_the_cost_aware_stop_follows_the_recipe_unless_overridden(target64, ar_r
     ("beam", {}, "method 'beam' is unknown"),
     ("treespark", {}, "needs a trained block drafter"),
     ("ar", {"builder": "chain"}, "method 'ar' drafts nothing"),
-    ("ar", {"skip": True}, "drop the drafter, builder, verify, skip and stop options"),
-    ("ar", {"stop": True}, "drop the drafter, builder, verify, skip and stop options"),
-    ("prompt_lookup", {"stop": True}, "'prompt_lookup' has no draft probabilities for the cost-aware stop"),
+    ("ar", {"skip_drafting": True}, "drop the drafter, builder, verify, skip_drafting and cost_aware_stop options"),
+    ("ar", {"cost_aware_stop": True}, "drop the drafter, builder, verify, skip_drafting and cost_aware_stop options"),
+    ("prompt_lookup", {"cost_aware_stop": True}, "'prompt_lookup' has no draft probabilities for the cost-aware stop"),
     ("prompt_lookup", {"budget": 0}, "budget=0 must be between 1 and 1024"),
     ("prompt_lookup", {"budget": 1025}, "budget=1025 must be between 1 and 1024"),
 ])

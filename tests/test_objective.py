@@ -52,7 +52,7 @@ def rollouts(target, n=4, new=24, trees_from=None):
     for p, seq, feats, log in zip(prompts, seqs, arrays, logs):
         trees = None if log is None else tree_log(log, head, "greedy", 0.0)
         records.append(make_record(seq, len(p), *feats, prompt_set="random", prompt_id=str(len(records)),
-                                   seed=0, temp=0.0, top_p=1.0, finished=False, trees=trees))
+                                   seed=0, temperature=0.0, top_p=1.0, finished=False, trees=trees))
     return records
 
 

@@ -42,11 +42,11 @@ ALLOWED: dict[str, str] = {
     "make test": "the Makefile's test target, which runs this test",
     "gcloud compute tpus tpu-vm ssh my-slice --zone us-west4-a --worker=all --command ' "
     "cd treespark-jax && TREESPARK_DISTRIBUTED=1 .venv/bin/treespark train --rollouts /mnt/shared/rollouts/gsm8k "
-    "--loss dspark --batch 256 --dtype bfloat16 --mesh data=32 --out /mnt/shared/runs/dspark'":
+    "--loss dspark --batch-size 256 --dtype bfloat16 --mesh data=32 --out /mnt/shared/runs/dspark'":
         "needs a TPU pod slice; the multi-host training path (jax.distributed, per-process data, one run "
         "directory) is run by tests/test_sharding.py::test_two_processes_train_as_one_job_and_match_one_process",
     "JAX_COORDINATOR_ADDRESS=10.0.0.2:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 treespark train --rollouts "
-    "/shared/rollouts --loss dspark --batch 128 --dtype bfloat16 --mesh data=8,model=2 --out /shared/runs/dspark":
+    "/shared/rollouts --loss dspark --batch-size 128 --dtype bfloat16 --mesh data=8,model=2 --out /shared/runs/dspark":
         "needs two hosts; the same environment variables on two local processes are run by "
         "tests/test_sharding.py::test_two_processes_train_as_one_job_and_match_one_process",
 }

@@ -199,7 +199,7 @@ def test_resume_after_an_interruption_gives_the_same_records(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(settings=dataclasses.replace(SETTINGS, temp=0.5)), "temp = 0.0, not 0.5"),
+    (dict(settings=dataclasses.replace(SETTINGS, temperature=0.5)), "temp = 0.0, not 0.5"),
     (dict(layer_ids=(0, 2)), "layer ids = \\[.*\\], not \\[0, 2\\]"),
     (dict(binding="other"), "target weights_sha256"),
 ])
@@ -304,7 +304,7 @@ def _trees(rng, tokens, r=3, n=4, d=48) -> StoredTrees:
                    depths=depths, sibling_rank=np.zeros((r, n), int), valid=valid,
                    accepted=np.tile(np.arange(n) < 2, (r, 1)),
                    node_hidden=rng.standard_normal((r, n + 1, d)), node_lse=rng.standard_normal((r, n + 1)),
-                   node_top=rng.integers(0, 97, (r, n + 1)), rule="rejection", temp=1.0)
+                   node_top=rng.integers(0, 97, (r, n + 1)), rule="rejection", temperature=1.0)
 
 
 def test_tree_logs_round_trip_and_are_checked(tmp_path, target):
@@ -313,10 +313,10 @@ def test_tree_logs_round_trip_and_are_checked(tmp_path, target):
     trees = _trees(rng, tokens)
     record = make_record(tokens, 8, rng.standard_normal((20, 96)), rng.standard_normal((20, 48)),
                          rng.standard_normal(20), rng.integers(0, 97, 20), prompt_set="s",
-                         prompt_id="a", seed=1, temp=1.0, top_p=1.0, finished=False, trees=trees)
+                         prompt_id="a", seed=1, temperature=1.0, top_p=1.0, finished=False, trees=trees)
     back = decode_record(encode_record(record))
     stored = StoredTrees.from_dict(back["trees"])
-    assert (stored.rule, stored.temp) == ("rejection", 1.0) and stored.node_hidden.dtype == np.dtype("bfloat16")
+    assert (stored.rule, stored.temperature) == ("rejection", 1.0) and stored.node_hidden.dtype == np.dtype("bfloat16")
     np.testing.assert_array_equal(stored.accepted, trees.accepted)
     np.testing.assert_allclose(stored.node_hidden.astype(np.float32), trees.node_hidden, rtol=2 ** -8)
     binding = TargetBinding.of(target)
@@ -337,13 +337,13 @@ def test_tree_logs_round_trip_and_are_checked(tmp_path, target):
 def test_records_refuse_inconsistent_shapes():
     with pytest.raises(RolloutError, match="prompt length 5 must be in \\[1, 4\\]"):
         make_record(np.arange(5), 5, np.zeros((5, 8)), np.zeros((5, 4)), np.zeros(5), np.zeros(5), prompt_set="s",
-                    prompt_id="a", seed=0, temp=0.0, top_p=1.0, finished=True)
+                    prompt_id="a", seed=0, temperature=0.0, top_p=1.0, finished=True)
     with pytest.raises(RolloutError, match="must be \\[T, m·D\\] and \\[T, D\\] with T = 5"):
         make_record(np.arange(5), 2, np.zeros((4, 8)), np.zeros((5, 4)), np.zeros(5), np.zeros(5), prompt_set="s",
-                    prompt_id="a", seed=0, temp=0.0, top_p=1.0, finished=True)
+                    prompt_id="a", seed=0, temperature=0.0, top_p=1.0, finished=True)
     with pytest.raises(RolloutError, match=r"target_lse \(4,\) and target_top \(5,\) must be \[T\]"):
         make_record(np.arange(5), 2, np.zeros((5, 8)), np.zeros((5, 4)), np.zeros(4), np.zeros(5), prompt_set="s",
-                    prompt_id="a", seed=0, temp=0.0, top_p=1.0, finished=True)
+                    prompt_id="a", seed=0, temperature=0.0, top_p=1.0, finished=True)
     with pytest.raises(RolloutError, match="cannot be decoded"):
         decode_record(b"\xc1garbage")
 
@@ -361,7 +361,7 @@ def test_cli_rollout_on_a_tiny_target(tmp_path, tiny_dir, prompt_file, baseline,
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["identity"]["prompts"]["source"] == str(prompt_file.resolve()) and manifest["trees"] is False
-    for flags, message in [(["--temp", "1.0"], "holds rollouts made with temp = 0.0, not 1.0"),
+    for flags, message in [(["--temperature", "1.0"], "holds rollouts made with temp = 0.0, not 1.0"),
                            (["--split", "train"], "split='train' was given for the JSONL file"),
                            (["--max-new-tokens", "600"], "prompt 'p0' has \\d+ tokens and max_new_tokens=600, "
                                                          "together more than the target's context of 512 tokens"),
@@ -436,7 +436,7 @@ def test_on_policy_rollouts_refuse_top_p_below_one(tmp_path, target, prompts, en
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(temp=-1.0), "temperature -1.0 is negative"),
+    (dict(temperature=-1.0), "temperature -1.0 is negative"),
     (dict(top_p=2.0), "top_p=2.0 is outside"),
     (dict(max_new_tokens=0), "max_new_tokens=0 must be at least 1"),
 ])

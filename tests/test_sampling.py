@@ -9,9 +9,9 @@ from scipy import stats
 from treespark_jax.sampling import processed_logprobs, sample_token
 
 
-def reference(logits, temp, top_p):
+def reference(logits, temperature, top_p):
     """Numpy nucleus: keep the highest-probability tokens until their mass reaches top_p."""
-    p = np.exp(logits / temp - np.max(logits / temp))
+    p = np.exp(logits / temperature - np.max(logits / temperature))
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
     before = np.cumsum(p[order]) - p[order]
@@ -21,12 +21,12 @@ def reference(logits, temp, top_p):
     return q / q.sum()
 
 
-@pytest.mark.parametrize("temp, top_p", [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (0.5, 0.05)])
-def test_processed_distribution_matches_reference(temp, top_p):
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (0.5, 0.05)])
+def test_processed_distribution_matches_reference(temperature, top_p):
     logits = np.random.default_rng(0).normal(0, 2, (4, 23))
-    got = np.exp(np.asarray(processed_logprobs(jnp.asarray(logits), temp, top_p)))
+    got = np.exp(np.asarray(processed_logprobs(jnp.asarray(logits), temperature, top_p)))
     for row, g in zip(logits, got):
-        np.testing.assert_allclose(g, reference(row, temp, top_p), atol=1e-6)
+        np.testing.assert_allclose(g, reference(row, temperature, top_p), atol=1e-6)
 
 
 def test_greedy_is_argmax_and_sampling_follows_the_processed_distribution():

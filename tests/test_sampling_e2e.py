@@ -115,7 +115,7 @@ class FewProposals(RandomProposer):
 # tokens outside each depth's pool, the residual's off-pool lump.
 FEW = FewProposals(V, block_size=4, pool_size=16, markov_rank=4, proposal_seeds=(65, 182))
 
-CASES = {  # name: (speculation or None for AR, temp, top_p)
+CASES = {  # name: (speculation or None for AR, temperature, top_p)
     "ar": (None, 1.0, 1.0),
     "ar-temp0.8-top_p0.9": (None, 0.8, 0.9),
     "rejection-treespark": (spec(FEW, TreeConfig(**TREE, builder="treespark"), stop=True), 1.0, 1.0),
@@ -145,13 +145,13 @@ def model():
     return tiny_decoder("qwen3", seed=1, dtype=jnp.float32, **MODEL_FIELDS)
 
 
-def processed(logits: np.ndarray, temp: float, top_p: float) -> tuple[np.ndarray, float]:
+def processed(logits: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, float]:
     """Independent float64 temperature + nucleus reference (Holtzman et al. 2020).
 
     Returns the probabilities ``[..., V]`` and the smallest distance between ``top_p`` and the
     mass before any token (a token on the nucleus border could flip in float32).
     """
-    z = logits.astype(np.float64) / temp
+    z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     if top_p >= 1:
@@ -180,9 +180,9 @@ def logits_tree(model) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return last[0], last[1: 1 + V], last[1 + V:].reshape(V, V, V)
 
 
-def exact_law(logits_tree, temp: float, top_p: float) -> np.ndarray:
+def exact_law(logits_tree, temperature: float, top_p: float) -> np.ndarray:
     """``[V, V, V]`` float64 exact joint law of the first three generated tokens."""
-    laws, margins = zip(*(processed(lg, temp, top_p) for lg in logits_tree))
+    laws, margins = zip(*(processed(lg, temperature, top_p) for lg in logits_tree))
     # A token within 1e-5 of the nucleus border could be kept by float32 and dropped in float64.
     assert min(margins) > 1e-5, "pick another prompt: a token sits on the nucleus border"
     p1, p2, p3 = laws
@@ -219,14 +219,14 @@ def chi_square(samples: np.ndarray, probs: np.ndarray, max_single: int | None = 
     return pvalue, df, power
 
 
-def sample(model, spec, temp, top_p, first_seed, cost=DEFAULT_CPU_COST):
+def sample(model, spec, temperature, top_p, first_seed, cost=DEFAULT_CPU_COST):
     """``[ROWS, 3]`` generated tokens, one request (and seed) per row, the τ of every call and the
     rounds that skipped drafting."""
     engine = Engine(model, stop_ids=[], cost=cost)
     out, taus, skipped = [], [], 0
     for start in range(0, ROWS, CALL_ROWS):
         seeds = list(range(first_seed + start, first_seed + start + CALL_ROWS))
-        ids, gen_stats = engine.generate([PROMPT] * CALL_ROWS, MAX_NEW, temp=temp, top_p=top_p,
+        ids, gen_stats = engine.generate([PROMPT] * CALL_ROWS, MAX_NEW, temperature=temperature, top_p=top_p,
                                          seed=seeds, spec=spec)
         assert all(len(row) == MAX_NEW for row in ids)
         out.append(np.asarray(ids))
@@ -237,9 +237,9 @@ def sample(model, spec, temp, top_p, first_seed, cost=DEFAULT_CPU_COST):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_generated_tokens_follow_the_target(model, logits_tree, case):
-    spec, temp, top_p = CASES[case]
-    law = exact_law(logits_tree, temp, top_p)
-    tokens, taus, skipped = sample(model, spec, temp, top_p, first_seed=1_000_000 * (list(CASES).index(case) + 1),
+    spec, temperature, top_p = CASES[case]
+    law = exact_law(logits_tree, temperature, top_p)
+    tokens, taus, skipped = sample(model, spec, temperature, top_p, first_seed=1_000_000 * (list(CASES).index(case) + 1),
                                    cost=COSTS.get(case, DEFAULT_CPU_COST))
     if case in COSTS:
         assert skipped >= ROWS // 2, skipped  # most rows have a skipped round

@@ -38,7 +38,7 @@ from tiny import write_tiny_hf_target
 REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = (1, 2)
 # Small shapes shared by every run (seconds per compile on 2 cores).
-TRAIN_ARGS = ["--seq-len", "40", "--anchors", "3", "--batch", "4", "--block-size", "4", "--lr", "3e-3",
+TRAIN_ARGS = ["--seq-len", "40", "--anchors", "3", "--batch-size", "4", "--block-size", "4", "--lr", "3e-3",
               "--warmup", "1", "--log-every", "1", "--quiet"]
 
 
@@ -71,7 +71,7 @@ def write_tiny_rollouts(target, out: Path, *, records: int = 12, per_shard: int 
         batch = []
         for i, (s, p, f) in enumerate(zip(seqs, lens, record_arrays(target.model, seqs, lens, LAYER_IDS))):
             logged = _trees(s, p, TargetHead.of(target.model, target.model.dtype), rng) if trees else None
-            batch.append(make_record(s, p, *f, prompt_set="test", prompt_id=f"r{start + i}", seed=0, temp=0.0,
+            batch.append(make_record(s, p, *f, prompt_set="test", prompt_id=f"r{start + i}", seed=0, temperature=0.0,
                                      top_p=1.0, finished=True, trees=logged))
         writer.write_shard(batch)
     return out

@@ -1,10 +1,10 @@
 """TreeSpark-JAX: lossless tree speculative decoding with a learned block drafter.
 
-``load``, ``TreeSpark`` and ``GenerationResult`` are imported lazily from ``treespark_jax.api``
+``load``, ``TreeSpark``, ``GenerationConfig`` and ``GenerationResult`` are imported lazily from ``treespark_jax.api``
 so that importing a submodule (``treespark_jax.tree``) does not load the whole stack.
 """
 
-__all__ = ["GenerationResult", "TreeSpark", "load"]
+__all__ = ["GenerationConfig", "GenerationResult", "TreeSpark", "load"]
 __version__ = "0.1.0"
 
 

@@ -6,6 +6,10 @@ Example::
     lm = ts.load("smollm2-135m")
     result = lm.generate("Write a haiku about trees.", chat=True, max_new_tokens=64)
     print(result.text, result.stats.tokens_per_s)
+    lm.generate("Write a haiku about trees.", ts.GenerationConfig(temperature=0.7), chat=True)
+
+Every generation setting (``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, the method
+and its options) is a field of ``GenerationConfig``, given whole or as keyword arguments.
 
 On a multi-device host, ``ts.load(..., mesh="data=2,model=4")`` splits batches over ``data``
 and the target's (and drafters') heads and MLP width over ``model`` (``sharding.py``).
@@ -28,8 +32,9 @@ from treespark_jax.decode.session import Session
 from treespark_jax.decode.stats import GenerationStats
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafters import default_method, shipped_drafter
+from treespark_jax.generation import GenerationConfig
 from treespark_jax.mesh import MeshShape, make_mesh
-from treespark_jax.methods import DEFAULT_BUDGET, drafter_config, recipe, speculation
+from treespark_jax.methods import drafter_config, recipe, speculation
 from treespark_jax.models.load import Target, load_target
 from treespark_jax.models.presets import DEFAULT_PRESET
 from treespark_jax.models.stream_decode import StreamDecoder
@@ -116,40 +121,50 @@ class TreeSpark:
         """``treespark`` when a treespark drafter ships for this target (a preset), else ``ar``."""
         return default_method(self.target.name)
 
-    def speculation(self, method: str, budget: int = DEFAULT_BUDGET, *, drafter: str | BlockDrafter | None = None,
-                    builder: str | None = None, verify: str | None = None, skip: bool | None = None,
-                    stop: bool | None = None) -> Speculation | None:
-        """The engine settings of ``method`` (see ``methods.speculation``; ``drafter`` as in ``drafter``)."""
-        return speculation(method, self.target.model, budget, drafter=self.drafter(method, drafter),
-                           builder=builder, verify=verify, skip=skip, stop=stop)
+    def speculation(self, generation_config: GenerationConfig | None = None, **settings) -> Speculation | None:
+        """The engine settings of a generation's method (``methods.speculation``; ``None`` for ``ar``).
 
-    def session(self, method: str | None = None, budget: int = DEFAULT_BUDGET, *, greedy: bool = True,
-                drafter: str | BlockDrafter | None = None, builder: str | None = None, verify: str | None = None,
-                skip: bool | None = None, stop: bool | None = None) -> Session:
-        """The decoding ``Session`` of these settings, made on first use and kept.
+        Args:
+          generation_config: the settings (default ``GenerationConfig()``); only the method's are
+            read: ``method``, ``budget``, ``drafter`` (as in ``drafter``), ``builder``, ``verify``,
+            ``skip_drafting`` and ``cost_aware_stop``.
+          **settings: fields of ``GenerationConfig`` that replace the config's.
+
+        Raises:
+          ValueError: as ``methods.speculation``, and for a name that is no generation setting.
+        """
+        config = GenerationConfig.of(generation_config, **settings)
+        method = config.method or self.default_method
+        return speculation(method, self.target.model, config.budget, drafter=self.drafter(method, config.drafter),
+                           builder=config.builder, verify=config.verify, skip_drafting=config.skip_drafting,
+                           cost_aware_stop=config.cost_aware_stop)
+
+    def session(self, generation_config: GenerationConfig | None = None, **settings) -> Session:
+        """The decoding ``Session`` that ``generate`` uses for these settings, made on first use and kept.
 
         A session holds the method's resolved round plan, its drafter bound to the target and
         placed on the mesh, and (through them) its compiled programs, so a later call with the
-        same settings rebuilds nothing. A ``BlockDrafter`` passed as ``drafter`` is held by
-        identity; when its weights change (further training), a new session is made for it.
+        same settings rebuilds nothing. It depends on the method's settings and on the sampling
+        mode (greedy at temperature 0, else sampling at any temperature > 0), not on
+        ``max_new_tokens``, ``top_p`` or ``seed``. A ``BlockDrafter`` passed as ``drafter`` is held
+        by identity; when its weights change (further training), a new session is made for it.
 
         Args:
-          method: as in ``generate`` (default ``default_method``).
-          budget, drafter, builder, verify, skip, stop: as in ``generate``.
-          greedy: decoding at temperature 0 (else by sampling, at any temperature > 0).
+          generation_config, **settings: as in ``generate``.
 
         Raises:
           ValueError: as ``generate`` for the method's settings.
         """
-        method = method or self.default_method
-        resolved = self.drafter(method, drafter)
+        config = GenerationConfig.of(generation_config, **settings)
+        method = config.method or self.default_method
+        resolved = self.drafter(method, config.drafter)
         arrays = None if resolved is None else jax.tree.leaves(nnx.state(resolved))
-        key = (method, budget, id(resolved), builder, verify, skip, stop, greedy)
+        key = (method, config.budget, id(resolved), config.builder, config.verify, config.skip_drafting,
+               config.cost_aware_stop, config.greedy)
         held = self._sessions.get(key)
         if held is None or held[0] is not resolved or not _same_arrays(held[1], arrays):
-            spec = self.speculation(method, budget, drafter=resolved, builder=builder, verify=verify, skip=skip,
-                                    stop=stop)
-            held = self._sessions[key] = (resolved, arrays, self.engine.session(spec, greedy))
+            spec = self.speculation(config.replace(method=method, drafter=resolved))
+            held = self._sessions[key] = (resolved, arrays, self.engine.session(spec, config.greedy))
         return held[2]
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
@@ -167,61 +182,49 @@ class TreeSpark:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
-    def generate(self, prompt: str | list[str], *, chat: bool = False, max_new_tokens: int = 128,
-                 temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str | None = None,
-                 budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
-                 builder: str | None = None, verify: str | None = None, skip: bool | None = None,
-                 stop: bool | None = None) -> GenerationResult | list[GenerationResult]:
+    def generate(self, prompt: str | list[str], generation_config: GenerationConfig | None = None, *,
+                 chat: bool = False, **settings) -> GenerationResult | list[GenerationResult]:
         """Generates a reply for one prompt or a batch.
+
+        Example: ``lm.generate("Hi", max_new_tokens=64, temperature=0.7)``, or with the same
+        settings kept in one value, ``lm.generate("Hi", GenerationConfig(max_new_tokens=64,
+        temperature=0.7))``.
 
         Args:
           prompt: text, or a list of texts generated as one batch.
+          generation_config: the settings (``GenerationConfig``: ``max_new_tokens``,
+            ``temperature``, ``top_p``, ``seed``, ``method``, ``budget``, ``drafter``, ``builder``,
+            ``verify``, ``skip_drafting``, ``cost_aware_stop``); default ``GenerationConfig()``.
           chat: wrap each prompt as a user turn of the checkpoint's chat template.
-          max_new_tokens: cap on generated tokens per prompt (≥ 1).
-          temp: temperature (0 = greedy).
-          top_p: nucleus mass in ``(0, 1]``.
-          seed: request seed; prompt ``i`` of a batch uses ``seed + i``.
-          method: decoding method, one of ``methods.METHODS``; default ``default_method``
-            (``treespark`` with its shipped drafter on a preset that has one, else ``ar``).
-          budget: maximum drafted tree nodes per round N (speculative methods).
-          drafter: the block drafter of a drafter method (see ``drafter``).
-          builder: overrides the method's tree builder (ablations).
-          verify: overrides the method's verify rule at temp > 0 (ablations).
-          skip: draft skipping: plain target steps while recent drafting did not pay
-            (``decode/skip.py``; lossless); ``None`` means on for every drafting method.
-          stop: the cost-aware stop (see ``methods.speculation``); ``None`` keeps the method's,
-            ``False`` verifies the whole budget every round.
+          **settings: fields of ``GenerationConfig`` that replace the config's.
 
         Returns:
           A ``GenerationResult`` (a list of them for a list of prompts).
 
         Raises:
-          ValueError: unknown method, missing drafter or invalid request (one sentence naming the value).
+          ValueError: a name that is no generation setting, unknown method, missing drafter or
+            invalid request (one sentence naming the value).
         """
+        config = GenerationConfig.of(generation_config, **settings)
         batch = isinstance(prompt, (list, tuple))
         texts = list(prompt) if batch else [prompt]
-        check_sampling(max_new_tokens, temp, top_p, seed, len(texts))
-        session = self.session(method, budget, greedy=temp == 0, drafter=drafter, builder=builder, verify=verify,
-                               skip=skip, stop=stop)
+        check_sampling(config.max_new_tokens, config.temperature, config.top_p, config.seed, len(texts))
+        session = self.session(config)
         ids = [self.encode_prompt(t, chat) for t in texts]
-        out, stats = session.generate(ids, max_new_tokens, temp, top_p, seed)
+        out, stats = session.generate(ids, config.max_new_tokens, config.temperature, config.top_p, config.seed)
         results = [GenerationResult(t, p, o, self.tokenizer.decode(o, skip_special_tokens=True), stats)
                    for t, p, o in zip(texts, ids, out)]
         return results if batch else results[0]
 
-    def stream(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 128,
-               temp: float = 0.0, top_p: float = 1.0, seed: int = 0, method: str | None = None,
-               budget: int = DEFAULT_BUDGET, drafter: str | BlockDrafter | None = None,
-               builder: str | None = None, verify: str | None = None, skip: bool | None = None,
-               stop: bool | None = None) -> Iterator[str]:
+    def stream(self, prompt: str, generation_config: GenerationConfig | None = None, *, chat: bool = False,
+               **settings) -> Iterator[str]:
         """Yields the reply's text as it is committed (only complete UTF-8 characters); arguments
         as in ``generate``."""
-        check_sampling(max_new_tokens, temp, top_p, seed)
-        session = self.session(method, budget, greedy=temp == 0, drafter=drafter, builder=builder, verify=verify,
-                               skip=skip, stop=stop)
+        config = GenerationConfig.of(generation_config, **settings)
+        session = self.session(config)
         decoder = StreamDecoder(self.tokenizer)
         prompt_ids = self.encode_prompt(prompt, chat)
-        for ids in session.stream(prompt_ids, max_new_tokens, temp, top_p, seed):
+        for ids in session.stream(prompt_ids, config.max_new_tokens, config.temperature, config.top_p, config.seed):
             text = decoder.push(ids)
             if text:
                 yield text

@@ -100,21 +100,21 @@ LOSSES: tuple[str, ...] = ("dflash", "dspark", "treespark")
 VERIFY_RULES: tuple[str, ...] = (VerifyRule.MATCH, VerifyRule.REJECTION)
 """The rules a user picks for sampling (temperature > 0); greedy decoding is always ``GREEDY``."""
 TREE_RULES: tuple[str, ...] = tuple(VerifyRule)
-"""How a logged tree was verified: ``greedy`` (temp 0), ``match``, ``rejection``."""
+"""How a logged tree was verified: ``greedy`` (temperature 0), ``match``, ``rejection``."""
 
 
-def greedy_tree(rule: str, temp):
-    """Whether a logged tree was verified greedily: rule ``greedy`` or ``temp ≤ 0`` (a float or a
+def greedy_tree(rule: str, temperature):
+    """Whether a logged tree was verified greedily: rule ``greedy`` or ``temperature ≤ 0`` (a float or a
     per-row array; the result has its shape)."""
-    return (jnp.asarray(temp) <= 0) | (rule == VerifyRule.GREEDY)
+    return (jnp.asarray(temperature) <= 0) | (rule == VerifyRule.GREEDY)
 
 
-def tree_temperature(rule: str, temp):
+def tree_temperature(rule: str, temperature):
     """The temperature of a logged tree's target and drafter distributions: the tree's own, or 1
-    where it was verified greedily (rule ``greedy`` or ``temp ≤ 0``), whose targets are argmaxes
-    and whose logsumexp needs a finite temperature. ``temp`` may be a float or an array (per row);
+    where it was verified greedily (rule ``greedy`` or ``temperature ≤ 0``), whose targets are argmaxes
+    and whose logsumexp needs a finite temperature. ``temperature`` may be a float or an array (per row);
     the result has its shape."""
-    return jnp.where(greedy_tree(rule, temp), 1.0, temp)
+    return jnp.where(greedy_tree(rule, temperature), 1.0, temperature)
 
 
 def default_ladder(budget: int) -> tuple[int, ...]:

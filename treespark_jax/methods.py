@@ -2,7 +2,7 @@
 
 Names follow the literature (DESIGN.md §4) so a row means what readers expect:
 
-| method | drafter (training loss) | builder | verify at temp > 0 | cost-aware stop |
+| method | drafter (training loss) | builder | verify at temperature > 0 | cost-aware stop |
 | --- | --- | --- | --- | --- |
 | ``ar`` | none | — | — | — |
 | ``prompt_lookup`` | n-gram lookup (Saxena 2023) | chain | match | no |
@@ -14,11 +14,10 @@ Names follow the literature (DESIGN.md §4) so a row means what readers expect:
 
 Draft skipping (``decode/skip.py``: plain target steps while recent drafted rounds did not pay)
 is on by default for every drafting method (docs/cost_model.md has the measurements). Greedy
-decoding (temp 0) always
-verifies with the greedy rule. ``builder``, ``verify`` and ``stop``
-override a recipe's parts for ablations (the ``treespark`` builder brings its cost-aware
-stop unless ``stop=False``); the drafter is passed by the caller (``api.load``
-resolves ``--drafter PATH``).
+decoding (temperature 0) always verifies with the greedy rule. ``builder``, ``verify`` and
+``cost_aware_stop`` override a recipe's parts for ablations (the ``treespark`` builder brings its
+cost-aware stop unless ``cost_aware_stop=False``); the drafter is passed by the caller
+(``api.TreeSpark.drafter`` resolves ``--drafter PATH``).
 """
 
 from __future__ import annotations
@@ -45,27 +44,27 @@ class Recipe:
     Attributes:
       proposer: ``None`` (plain AR), ``"prompt_lookup"`` or ``"block"`` (a learned block drafter).
       builder: tree builder.
-      verify: acceptance rule at temp > 0 (``MATCH`` or ``REJECTION``).
+      verify: acceptance rule at temperature > 0 (``MATCH`` or ``REJECTION``).
       drafter_loss: the training loss of the recipe's drafter (``dflash``, ``dspark`` or
         ``treespark``), which also fixes its heads (``drafter_config``).
-      stop: the round verifies only what the cost-aware stop picks (DESIGN.md §1.5).
+      cost_aware_stop: the round verifies only what the cost-aware stop picks (DESIGN.md §1.5).
     """
 
     proposer: str | None
     builder: Builder = Builder.CHAIN
     verify: VerifyRule = VerifyRule.MATCH
     drafter_loss: str | None = None
-    stop: bool = False
+    cost_aware_stop: bool = False
 
 
 RECIPES: dict[str, Recipe] = {
     "ar": Recipe(None),
     "prompt_lookup": Recipe("prompt_lookup"),
     "dflash": Recipe("block", Builder.CHAIN, VerifyRule.MATCH, "dflash"),
-    "dspark": Recipe("block", Builder.CHAIN, VerifyRule.REJECTION, "dspark", stop=True),
+    "dspark": Recipe("block", Builder.CHAIN, VerifyRule.REJECTION, "dspark", cost_aware_stop=True),
     "ddtree": Recipe("block", Builder.MARGINAL, VerifyRule.MATCH, "dflash"),
     "pctree": Recipe("block", Builder.PARENT_CONDITIONED, VerifyRule.MATCH, "dspark"),
-    "treespark": Recipe("block", Builder.TREESPARK, VerifyRule.REJECTION, "treespark", stop=True),
+    "treespark": Recipe("block", Builder.TREESPARK, VerifyRule.REJECTION, "treespark", cost_aware_stop=True),
 }
 METHODS: tuple[str, ...] = tuple(RECIPES)
 DRAFTER_METHODS: tuple[str, ...] = tuple(m for m, r in RECIPES.items() if r.proposer == "block")
@@ -112,8 +111,8 @@ def check_budget(budget: int) -> None:
 
 def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
                 drafter: BlockDrafter | None = None, builder: str | None = None,
-                verify: str | None = None, skip: bool | None = None,
-                stop: bool | None = None) -> Speculation | None:
+                verify: str | None = None, skip_drafting: bool | None = None,
+                cost_aware_stop: bool | None = None) -> Speculation | None:
     """The speculative settings of ``method`` (``None`` for plain autoregressive decoding): the
     one place where a recipe's defaults and the user's overrides become final values
     (``decode/plan.py`` then resolves them against a call's temperature and cost model).
@@ -124,18 +123,18 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
       budget: maximum drafted nodes per round N (≥ 1). A chain verifies ``min(N, γ)`` nodes.
       drafter: the block drafter, required by the methods in ``DRAFTER_METHODS``.
       builder: overrides the recipe's builder (``config.BUILDERS``).
-      verify: overrides the recipe's verify rule at temp > 0 (``config.VERIFY_RULES``).
-      skip: draft skipping (``Speculation.skip_drafting``); ``None`` means on for every drafting
-        method.
-      stop: the cost-aware stop of a block-drafter method (``Speculation.cost_aware_stop``);
+      verify: overrides the recipe's verify rule at temperature > 0 (``config.VERIFY_RULES``).
+      skip_drafting: draft skipping (``Speculation.skip_drafting``); ``None`` means on for every
+        drafting method.
+      cost_aware_stop: the cost-aware stop of a block-drafter method (``Speculation.cost_aware_stop``);
         ``None`` keeps the recipe's (on for ``dspark``, and for any method with the ``treespark``
         builder), ``False`` verifies all N nodes every round (τ at equal budget), ``True`` adds the
         stop to any builder (ablations).
 
     Raises:
       ValueError: unknown method, builder or rule; a budget outside 1..MAX_BUDGET; a drafter method without
-        a drafter; overrides (or ``skip``, or ``stop``) given for ``ar``; ``stop=True`` for
-        ``prompt_lookup``, which has no draft probabilities to stop on.
+        a drafter; overrides (or ``skip_drafting``, or ``cost_aware_stop``) given for ``ar``;
+        ``cost_aware_stop=True`` for ``prompt_lookup``, which has no draft probabilities to stop on.
     """
     from treespark_jax.decode.plan import Speculation
     from treespark_jax.drafter.block_proposer import BlockProposer
@@ -144,25 +143,27 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     r = recipe(method)
     check_budget(budget)
     if r.proposer is None:
-        if builder or verify or skip or stop or drafter is not None:
-            raise ValueError("method 'ar' drafts nothing; drop the drafter, builder, verify, skip and stop options.")
+        if builder or verify or skip_drafting or cost_aware_stop or drafter is not None:
+            raise ValueError("method 'ar' drafts nothing; drop the drafter, builder, verify, skip_drafting and "
+                             "cost_aware_stop options.")
         return None
-    skip = True if skip is None else skip
+    skip_drafting = True if skip_drafting is None else skip_drafting
     builder, verify = parse_enum(Builder, builder or r.builder, "builder"), verify or r.verify
     if r.proposer == "prompt_lookup":
-        if stop:
+        if cost_aware_stop:
             raise ValueError("method 'prompt_lookup' has no draft probabilities for the cost-aware stop; "
-                             "drop the stop option (--cost-aware-stop).")
+                             "drop cost_aware_stop (--cost-aware-stop).")
         # Prompt lookup drafts one chain whatever the builder: its proposal has a single candidate.
         return Speculation(PromptLookup(target.cfg.vocab_size, block_size=budget),
                            TreeConfig(budget=budget, max_depth=budget, branch=1, builder=builder),
-                           verify=verify, cost_aware_stop=False, skip_drafting=skip)
+                           verify=verify, cost_aware_stop=False, skip_drafting=skip_drafting)
     if drafter is None:
         raise ValueError(f"method {method!r} needs a trained block drafter; pass one with --drafter PATH "
                          "(or drafter= in the API).")
     gamma = drafter.cfg.block_size
     n = min(budget, gamma) if builder is Builder.CHAIN else budget
     tree = TreeConfig(budget=n, max_depth=min(n, gamma), branch=TREE_BRANCH, builder=builder)
-    stop = (r.stop or builder is Builder.TREESPARK) if stop is None else stop
+    if cost_aware_stop is None:
+        cost_aware_stop = r.cost_aware_stop or builder is Builder.TREESPARK
     return Speculation(BlockProposer.create(drafter, target, depth=tree.max_depth), tree, verify=verify,
-                       cost_aware_stop=stop, skip_drafting=skip)
+                       cost_aware_stop=cost_aware_stop, skip_drafting=skip_drafting)

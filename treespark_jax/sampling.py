@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from treespark_jax.typing import Array, Float, Int, PRNGKeyArray
 
 
-def processed_logprobs(logits: Float[Array, "... V"], temp: Float[Array, "..."] | float,
+def processed_logprobs(logits: Float[Array, "... V"], temperature: Float[Array, "..."] | float,
                        top_p: Float[Array, "..."] | float) -> Float[Array, "... V"]:
-    """Log-probabilities of ``softmax(logits / temp)`` restricted to the top-p nucleus.
+    """Log-probabilities of ``softmax(logits / temperature)`` restricted to the top-p nucleus.
 
     The nucleus is the smallest set of highest-probability tokens whose mass reaches ``top_p``
     (Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration"); ties at the border
@@ -22,15 +22,15 @@ def processed_logprobs(logits: Float[Array, "... V"], temp: Float[Array, "..."] 
 
     Args:
       logits: ``[..., V]`` float logits (``-inf`` allowed for impossible tokens).
-      temp: temperature > 0, scalar or broadcastable to the batch dims.
+      temperature: > 0, scalar or broadcastable to the batch dims.
       top_p: nucleus mass in ``(0, 1]``; ``1`` keeps every token.
 
     Returns:
       ``[..., V]`` float log-probabilities (``logits.dtype``).
     """
-    temp = jnp.asarray(temp, logits.dtype)
+    temperature = jnp.asarray(temperature, logits.dtype)
     top_p = jnp.asarray(top_p, logits.dtype)
-    logp = jax.nn.log_softmax(logits / temp[..., None], axis=-1)
+    logp = jax.nn.log_softmax(logits / temperature[..., None], axis=-1)
     # The nucleus needs a full-vocabulary sort (most of the cost at V = 49k); skip it when no
     # row restricts the mass. Both branches return the same values when top_p = 1.
     return jax.lax.cond(jnp.all(top_p >= 1), lambda: logp, lambda: _nucleus(logp, top_p))
@@ -47,14 +47,14 @@ def _nucleus(logp: Float[Array, "... V"], top_p: Float[Array, "..."]) -> Float[A
     return jax.nn.log_softmax(kept, axis=-1)
 
 
-def sample_token(keys: PRNGKeyArray, logits: Float[Array, "B V"], temp: Float[Array, "B"],
+def sample_token(keys: PRNGKeyArray, logits: Float[Array, "B V"], temperature: Float[Array, "B"],
                  top_p: Float[Array, "B"], greedy: bool) -> Int[Array, "B"]:
     """Draws one token per row: argmax when ``greedy`` (static), else from ``processed_logprobs``.
 
     Args:
       keys: ``[B]`` PRNG keys, one stream per row (so a row's draw does not depend on its batch).
       logits: ``[B, V]`` float.
-      temp, top_p: ``[B]`` float per-row settings (ignored when ``greedy``).
+      temperature, top_p: ``[B]`` float per-row settings (ignored when ``greedy``).
       greedy: static; temperature 0.
 
     Returns:
@@ -62,5 +62,5 @@ def sample_token(keys: PRNGKeyArray, logits: Float[Array, "B V"], temp: Float[Ar
     """
     if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logp = processed_logprobs(logits, temp, top_p)
+    logp = processed_logprobs(logits, temperature, top_p)
     return jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)

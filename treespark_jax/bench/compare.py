@@ -18,9 +18,9 @@ A method's speedup is taken against the AR runs interleaved with its budget. A r
 - ``compiles``: programs compiled for the row (warm-up included: the budget's round program
   and one prefill program per prompt-length bucket); ``late_compiles``: those compiled after
   the first pass over the prompts, 0 when shapes are static (one program per budget);
-- ``greedy_equal`` (temp 0): every output equals AR's token for token; ``divergences`` lists
+- ``greedy_equal`` (temperature 0): every output equals AR's token for token; ``divergences`` lists
   the first divergence of each differing output with AR's top-2 logit gap (near-ties,
-  DESIGN.md §1.3, are reported, not hidden). ``None`` at temp > 0, where outputs are samples.
+  DESIGN.md §1.3, are reported, not hidden). ``None`` at temperature > 0, where outputs are samples.
 
 Sources: speedup and τ as defined by Leviathan et al. 2023 and Chen et al. 2023 (speculative
 sampling); interleaved medians with IQR follow the CPU protocol of DESIGN.md §4.
@@ -39,6 +39,7 @@ from treespark_jax.api import TreeSpark
 from treespark_jax.bench.greedy_check import first_divergence
 from treespark_jax.decode.session import Session
 from treespark_jax.decode.stats import GenerationStats, depth_rates
+from treespark_jax.generation import GenerationConfig
 from treespark_jax.methods import METHODS, check_budget, recipe
 
 
@@ -105,11 +106,10 @@ def cpu_model() -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[str], budgets: Sequence[int], *,
-            temp: float = 0.0, max_new_tokens: int = 128, repeats: int = 3, seed: int = 0,
-            drafters: Mapping[str, str] | None = None, builder: str | None = None, verify: str | None = None,
-            skip: bool | None = None, stop: bool | None = None,
-            progress: Callable[[str], None] | None = None) -> list[dict]:
+def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[str], budgets: Sequence[int],
+            generation_config: GenerationConfig | None = None, *, repeats: int = 3,
+            drafters: Mapping[str, str] | None = None, progress: Callable[[str], None] | None = None,
+            **settings) -> list[dict]:
     """Benchmarks ``methods`` at each of ``budgets`` against AR on ``prompts``, at batch 1.
 
     Args:
@@ -118,22 +118,21 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
       methods: names of ``methods.METHODS``; ``ar`` gives the baseline row, ``prompt_lookup``
         and the drafter methods one row per budget.
       budgets: maximum drafted nodes per round N.
-      temp: temperature (0 = greedy; at temp > 0 AR and each method sample with ``seed``).
-      max_new_tokens: cap per reply (a reply may end earlier at a stop token).
+      generation_config: the settings of every row (``GenerationConfig``; default its defaults):
+        ``max_new_tokens`` (a reply may end earlier at a stop token), ``temperature`` (0 = greedy;
+        above 0 AR and each method sample with ``seed``), ``top_p``, ``seed``, and for every
+        drafter method ``builder`` and ``verify`` (ablations on a fixed drafter; ``None`` keeps
+        each recipe's) and ``cost_aware_stop`` (``None`` keeps each recipe's, ``False`` makes every
+        row verify its whole budget: τ at equal budget); ``skip_drafting`` for every speculative
+        method. Its ``method``, ``budget`` and ``drafter`` are not read: each row has its own.
       repeats: passes over the prompts per budget (AR and that budget's rows interleaved in each pass).
-      seed: sampling seed.
       drafters: drafter per method (checkpoint path or ``"random"``); default the shipped ones.
-      builder, verify: override the tree builder / verify rule of every drafter method (ablations
-        on a fixed drafter); ``None`` keeps each recipe's.
-      skip: draft skipping for every speculative method (``Speculation.skip_drafting``); ``None`` is each
-        method's default (on).
-      stop: the cost-aware stop of every drafter method (``methods.speculation``); ``None`` keeps
-        each recipe's, ``False`` makes every row verify its whole budget (τ at equal budget).
       progress: called with a short line after each prompt of each repeat of each budget.
+      **settings: fields of ``GenerationConfig`` that replace the config's.
 
     Returns:
-      One dict per row, ``ar`` first: ``method``, ``budget`` (``None`` for ``ar``), ``temp``,
-      ``builder``, ``verify``, ``stop`` and ``skip`` (speculative rows),
+      One dict per row, ``ar`` first: ``method``, ``budget`` (``None`` for ``ar``), ``temperature``,
+      ``builder``, ``verify``, ``cost_aware_stop`` and ``skip_drafting`` (speculative rows),
       ``tau``, ``tau_per_depth``, ``speedup``, ``speedup_iqr``, ``tokens_per_s``, ``compiles``,
       ``late_compiles``, ``skipped``, ``greedy_equal``, ``divergences`` (module docstring).
 
@@ -141,29 +140,29 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
       ValueError: unknown method, bad budget, no prompts, ``repeats < 1``, a method without a
         drafter, or an invalid request (see ``Engine.generate``).
     """
+    config = GenerationConfig.of(generation_config, **settings)
     check_methods(methods, budgets)
     if not prompts:
         raise ValueError("the benchmark needs at least one prompt.")
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be at least 1.")
     drafters = dict(drafters or {})
-    greedy = temp == 0
     sessions: dict[tuple[str, int], Session] = {}
     for m in methods:
         if m == "ar":
             continue
-        block = recipe(m).proposer == "block"
+        row = config.replace(method=m, drafter=drafters.get(m))
+        if recipe(m).proposer != "block":  # the drafter and its options are a drafter method's
+            row = row.replace(drafter=None, builder=None, verify=None, cost_aware_stop=None)
         for b in budgets:
-            sessions[(m, b)] = lm.session(m, b, greedy=greedy, drafter=drafters.get(m) if block else None,
-                                          builder=builder if block else None, verify=verify if block else None,
-                                          skip=skip, stop=stop if block else None)
-    ar_session = lm.session("ar", greedy=greedy)
+            sessions[(m, b)] = lm.session(row.replace(budget=b))
+    ar_session = lm.session(config.autoregressive())
     ar = _Tally()  # every AR run, pooled: the ar row
     group_ar = {b: _Tally() for b in budgets}  # the AR runs interleaved with budget b's rows
     rows = {key: _Tally() for key in sessions}
 
     def run(p, session, tallies, late=False):
-        ids, stats = session.generate([p], max_new_tokens, temp, 1.0, seed)
+        ids, stats = session.generate([p], config.max_new_tokens, config.temperature, config.top_p, config.seed)
         for tally in tallies:
             tally.add(stats, ids[0], late)
 
@@ -185,28 +184,28 @@ def compare(lm: TreeSpark, prompts: Sequence[Sequence[int]], methods: Sequence[s
 
     results = []
     if "ar" in methods:
-        results.append(_row("ar", None, temp, ar, ar, lm, prompts, repeats))
+        results.append(_row("ar", None, config.temperature, ar, ar, lm, prompts, repeats))
     for (m, b), tally in rows.items():
         plan = sessions[(m, b)].plan
-        results.append(_row(m, b, temp, tally, group_ar[b], lm, prompts, repeats)
-                       | {"builder": plan.tree.builder, "verify": plan.rule, "stop": plan.cost_aware_stop,
-                          "skip": plan.skip_drafting})
+        results.append(_row(m, b, config.temperature, tally, group_ar[b], lm, prompts, repeats)
+                       | {"builder": plan.tree.builder, "verify": plan.rule, "cost_aware_stop": plan.cost_aware_stop,
+                          "skip_drafting": plan.skip_drafting})
     return results
 
 
-def _row(method: str, budget: int | None, temp: float, tally: _Tally, ar: _Tally, lm: TreeSpark,
+def _row(method: str, budget: int | None, temperature: float, tally: _Tally, ar: _Tally, lm: TreeSpark,
          prompts: Sequence[Sequence[int]], repeats: int) -> dict:
     speedups = [a / m for a, m in zip(ar.seconds, tally.seconds)]
     divergences, equal = [], None
-    if temp == 0 and method != "ar":
+    if temperature == 0 and method != "ar":
         for k, (a, o) in enumerate(zip(ar.outputs, tally.outputs)):
             d = first_divergence(lm.target.model, prompts[k % len(prompts)], a, o)
             if d is not None:
                 divergences.append(dataclasses.asdict(d) | {"prompt": k % len(prompts), "near_tie": d.near_tie})
         equal = not divergences
-    elif temp == 0:
+    elif temperature == 0:
         equal = True
-    return {"method": method, "budget": budget, "temp": temp, "tau": tally.tau,
+    return {"method": method, "budget": budget, "temperature": temperature, "tau": tally.tau,
             "tau_per_depth": depth_rates(tally.reached.tolist(), tally.accepted.tolist()), "speedup": statistics.median(speedups),
             "speedup_iqr": _iqr(speedups), "tokens_per_s": tally.tokens / tally.decode_s if tally.decode_s else None,
             "ms_per_token": 1e3 * statistics.median(tally.seconds), "compiles": tally.compiles,

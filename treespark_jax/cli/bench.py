@@ -8,7 +8,8 @@ import os
 import platform
 import sys
 
-from treespark_jax.cli.common import add_override_args, add_target_args, check_out_file, target_name
+from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_out_file,
+                                      generation_config, target_name)
 from treespark_jax.methods import DRAFTER_METHODS, METHODS
 
 ALL_METHODS = ",".join(METHODS)
@@ -30,13 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--limit", type=int, default=32, help="first prompts of the split to run (default 32)")
     b.add_argument("--methods", default=ALL_METHODS, help=f"comma-separated methods (default {ALL_METHODS})")
     b.add_argument("--budgets", default="4,8,16,32", help="comma-separated tree budgets N (default 4,8,16,32)")
-    b.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
+    b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
     b.add_argument("--max-new-tokens", type=int, default=128, help="cap per reply (default 128)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved passes over the prompts (default 3)")
     b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     b.add_argument("--drafter", action="append", default=[], metavar="METHOD=PATH",
                    help="drafter checkpoint for one method (repeatable; default the shipped drafters)")
     add_override_args(b, "every drafter method's")
+    add_mesh_arg(b)
     b.add_argument("--json-out", default=None, metavar="FILE", help="also write protocol and rows as JSON")
 
 
@@ -83,50 +86,48 @@ def run(args: argparse.Namespace) -> None:
     """Prints the table (stdout) and progress (stderr); writes JSON with ``--json-out``.
 
     Raises:
-      ValueError: unknown method, bad budgets, ``--limit``/``--repeats``/``--max-new-tokens``
-        below 1, a split given for a file, a missing ``--json-out`` folder, a bad ``--drafter``,
-        and whatever ``load_prompts``, ``api.load`` and ``bench.compare`` raise.
+      ValueError: unknown method, bad budgets, ``--limit`` or ``--repeats`` below 1, sampling
+        settings ``GenerationConfig`` refuses, a split given for a file, a missing ``--json-out``
+        folder, a bad ``--drafter``, and whatever ``load_prompts``, ``api.load`` (a bad ``--mesh``)
+        and ``bench.compare`` raise.
     """
     methods = _csv(args.methods, "methods")
     budgets = _csv(args.budgets, "budgets", int)
     drafters = _drafters(args.drafter)
-    for name in ("limit", "repeats", "max_new_tokens"):
+    for name in ("limit", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1.")
     check_out_file("--json-out", args.json_out)
 
     from treespark_jax.bench.compare import check_methods, compare, cpu_model
-    from treespark_jax.decode.engine import check_sampling
     from treespark_jax.files import write_text_atomic
     from treespark_jax.prompts.chat import prompt_ids
     from treespark_jax.prompts.load import load_prompts
     from treespark_jax.prompts.sets import PROMPT_SETS
 
     check_methods(methods, budgets)
-    check_sampling(args.max_new_tokens, args.temp, 1.0, args.seed)
+    config = generation_config(args, drafter=None)  # each drafter method's comes from --drafter METHOD=PATH
     split = args.split or ("eval" if args.prompts in PROMPT_SETS else None)
     records = load_prompts(args.prompts, split)[: args.limit]
 
     from treespark_jax.api import load
     from treespark_jax.decode.cost_store import current_device_kind
 
-    lm = load(target_name(args), args.dtype)
+    lm = load(target_name(args), args.dtype, mesh=args.mesh)
     prompts = [prompt_ids(lm.tokenizer, r) for r in records]
-    rows = compare(lm, prompts, methods, budgets, temp=args.temp, max_new_tokens=args.max_new_tokens,
-                   repeats=args.repeats, seed=args.seed, drafters=drafters,
-                   builder=args.builder, verify=args.verify, skip=args.skip_drafting, stop=args.cost_aware_stop,
+    rows = compare(lm, prompts, methods, budgets, config, repeats=args.repeats, drafters=drafters,
                    progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"{lm.target.name}: {len(prompts)} prompts of {args.prompts}{f' ({split})' if split else ''} x "
-          f"{args.repeats} repeats, {args.max_new_tokens} new tokens, temp {args.temp}, batch 1 "
-          "(speedup: median over prompts x repeats, ± IQR)")
+          f"{args.repeats} repeats, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
+          f"top-p {args.top_p}, batch 1 (speedup: median over prompts x repeats, ± IQR)")
     print_table(rows)
     if args.json_out:
         import jax
 
         protocol = {"target": lm.target.name, "prompts": args.prompts, "split": split, "n_prompts": len(prompts),
                     "prompt_ids": [r.id for r in records], "max_new_tokens": args.max_new_tokens,
-                    "repeats": args.repeats, "temp": args.temp, "seed": args.seed, "batch": 1,
-                    "dtype": args.dtype, "drafters": drafters or "shipped", "builder": args.builder,
+                    "repeats": args.repeats, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+                    "batch": 1, "mesh": args.mesh, "dtype": args.dtype, "drafters": drafters or "shipped", "builder": args.builder,
                     "verify": args.verify, "skip_drafting": args.skip_drafting is not False,
                     "cost_aware_stop": args.cost_aware_stop}
         machine = {"device": current_device_kind(), "processor": cpu_model(),

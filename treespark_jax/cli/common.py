@@ -1,5 +1,10 @@
-"""Flags shared by the commands that load a target (``--preset`` or ``--target``, and ``--dtype``),
-the decoding overrides of ``generate`` and ``bench``, and the check of an output file flag."""
+"""Flags shared by the commands: the target (``--preset`` or ``--target``, and ``--dtype``), the
+device mesh (``--mesh``, wherever a model runs), the decoding overrides of ``generate`` and
+``bench``, the ``GenerationConfig`` their flags make, and the check of an output file flag.
+
+One vocabulary across commands: ``--temperature``, ``--top-p``, ``--seed``, ``--max-new-tokens``;
+``--batch-size`` for rows per batch; ``--limit`` for how many prompts; ``--out DIR`` always a
+directory and ``--json-out FILE`` always a file."""
 
 from __future__ import annotations
 
@@ -22,11 +27,18 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (float32 on CPU, bfloat16 on GPU/TPU)")
 
 
+def add_mesh_arg(p: argparse.ArgumentParser, note: str = "") -> None:
+    """Adds ``--mesh data=N,model=M`` to ``p`` (``mesh.parse_mesh`` reads it); ``note`` ends the help."""
+    p.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                   help="devices per mesh axis, e.g. data=2,model=4: rows over data, the model's heads and MLP "
+                        f"width over model (default: every local device on data){note}")
+
+
 def add_override_args(p: argparse.ArgumentParser, whose: str) -> None:
     """Adds ``--builder``, ``--verify``, ``--skip-drafting`` and ``--cost-aware-stop`` to ``p``
     (``methods.speculation``'s overrides); ``whose`` names what they override in the help."""
     p.add_argument("--builder", default=None, choices=BUILDERS, help=f"override {whose} tree builder (ablations)")
-    p.add_argument("--verify", default=None, choices=VERIFY_RULES, help=f"override {whose} verify rule at temp > 0")
+    p.add_argument("--verify", default=None, choices=VERIFY_RULES, help=f"override {whose} verify rule at temperature > 0")
     p.add_argument("--skip-drafting", action=argparse.BooleanOptionalAction, default=None,
                    help="run plain target steps instead of drafting while recent drafted rounds committed tokens "
                         "more slowly than target steps would (lossless; docs/cost_model.md); on by default for "
@@ -36,6 +48,21 @@ def add_override_args(p: argparse.ArgumentParser, whose: str) -> None:
                         f"default {whose} own (on for dspark, treespark and the treespark builder, off for budget 1 "
                         "and prompt_lookup, which has no draft probabilities); --no-cost-aware-stop verifies the "
                         "whole budget every round, for τ at equal budget")
+
+
+def generation_config(args: argparse.Namespace, **fields):
+    """The ``GenerationConfig`` of a command's flags: each field whose flag the command has (the
+    flag's name is the field's), then ``fields``. Made before any model loads, so bad values fail fast.
+
+    Raises:
+      ValueError: a value ``GenerationConfig`` refuses (one sentence naming it).
+    """
+    import dataclasses
+
+    from treespark_jax.generation import GenerationConfig
+
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
+    return GenerationConfig(**{**flags, **fields})
 
 
 def target_name(args: argparse.Namespace) -> str:

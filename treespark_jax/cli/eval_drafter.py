@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--builder", default=None, choices=BUILDERS, help="override the recipe's builder")
     ev.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="tree budget N (0: chain τ only)")
     ev.add_argument("--anchors", type=int, default=32, help="anchors per rollout (seeded)")
-    ev.add_argument("--batch", type=int, default=4, help="rollouts per evaluation batch")
+    ev.add_argument("--batch-size", type=int, default=4, help="rollouts per evaluation batch")
     ev.add_argument("--json-out", default=None, metavar="FILE", help="also write the metrics as JSON")
 
 
@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> None:
     """Prints chain τ, tree τ (greedy rollouts, ``--budget`` > 0) and α per depth; optionally writes JSON.
 
     Raises:
-      ValueError: ``--anchors`` or ``--batch`` below 1, tree τ asked of sampled (temp > 0) rollouts;
+      ValueError: ``--anchors`` or ``--batch-size`` below 1, tree τ asked of sampled (temperature > 0) rollouts;
         the drafter and rollout readers raise it for a bad path or rollouts of another target.
     """
     from treespark_jax.api import load
@@ -40,11 +40,12 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.drafter.model import TargetHead
     from treespark_jax.files import write_text_atomic
     from treespark_jax.rollouts.reader import open_rollouts
+    from treespark_jax.rollouts.records import STORED_KEYS
     from treespark_jax.train.evaluate import evaluate_drafter, rollout_batches
 
-    for name in ("anchors", "batch"):
+    for name in ("anchors", "batch_size"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} {getattr(args, name)} must be at least 1.")
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1.")
     check_out_file("--json-out", args.json_out)
     meta = read_meta(args.drafter)  # a bad path fails before the target loads
     lm = load(meta.binding.name)
@@ -52,12 +53,12 @@ def run(args: argparse.Namespace) -> None:
     rollouts = open_rollouts(args.rollouts, expect=TargetBinding.of(lm.target), layer_ids=drafter.cfg.target_layer_ids)
     tree = None
     if args.budget:
-        temps = {m["identity"].get("temp") for m in rollouts.manifests}
+        temps = {m["identity"].get(STORED_KEYS["temperature"]) for m in rollouts.manifests}
         if temps != {0.0}:
-            raise ValueError(f"tree τ needs greedy (temp 0) rollouts, not temperatures {sorted(temps)}; pass --budget 0.")
-        tree = lm.speculation(args.method, args.budget, drafter=drafter, builder=args.builder).tree
+            raise ValueError(f"tree τ needs greedy (temperature 0) rollouts, not temperatures {sorted(temps)}; pass --budget 0.")
+        tree = lm.speculation(method=args.method, budget=args.budget, drafter=drafter, builder=args.builder).tree
     result = evaluate_drafter(drafter, TargetHead.of(lm.target.model, drafter.dtype),
-                              rollout_batches(rollouts, batch=args.batch, n_anchors=args.anchors), tree)
+                              rollout_batches(rollouts, batch=args.batch_size, n_anchors=args.anchors), tree)
     result.update(drafter=str(Path(args.drafter).resolve()), rollouts=[str(Path(d).resolve()) for d in args.rollouts],
                   builder=tree.builder if tree else None, budget=args.budget)
     print(f"{'blocks':<10} {result['blocks']}\n{'chain τ':<10} {result['chain_tau']:.3f}")

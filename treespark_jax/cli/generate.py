@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from treespark_jax.cli.common import add_override_args, add_target_args, target_name
+from treespark_jax.cli.common import add_mesh_arg, add_override_args, add_target_args, generation_config, target_name
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, METHODS
 
 
@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user turn of the model's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="cap on generated tokens")
-    gen.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
     gen.add_argument("--seed", type=int, default=0, help="request seed for sampling")
     gen.add_argument("--method", default=None, choices=METHODS,
@@ -31,12 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help=f"drafter checkpoint directory for {', '.join(DRAFTER_METHODS)} (default: the one "
                           "shipped for the preset), or 'random' (an untrained drafter, for checks)")
     add_override_args(gen, "the method's")
-    gen.add_argument("--mesh", default=None, metavar="data=N,model=M",
-                     help="devices per mesh axis, e.g. data=2,model=4: rows over data, the target's heads "
-                          "and MLP width over model (default: every local device on data)")
+    add_mesh_arg(gen)
     gen.add_argument("--compare-ar", action="store_true",
                      help="also decode the prompt autoregressively in this process and report the speedup "
-                          "(tokens/s of the method ÷ AR's, prefill and compilation excluded) and, at temp 0, "
+                          "(tokens/s of the method ÷ AR's, prefill and compilation excluded) and, at temperature 0, "
                           "whether the outputs are identical; both are decoded once untimed first, so neither "
                           "pays a process's slower first decode")
     gen.add_argument("--json", action="store_true",
@@ -53,28 +51,24 @@ def run(args: argparse.Namespace) -> None:
         settings, a bad drafter).
     """
     from treespark_jax.api import load
-    from treespark_jax.decode.engine import check_sampling
 
-    check_sampling(args.max_new_tokens, args.temp, args.top_p, args.seed)  # before the seconds of loading
+    config = generation_config(args)  # checked before the seconds of loading
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
     method = args.method or lm.default_method
-    request = dict(chat=args.chat, max_new_tokens=args.max_new_tokens, temp=args.temp, top_p=args.top_p,
-                   seed=args.seed)
-    decoding = dict(method=method, budget=args.budget, drafter=args.drafter, builder=args.builder,
-                    verify=args.verify, skip=args.skip_drafting, stop=args.cost_aware_stop)
+    config = config.replace(method=method)
     if args.compare_ar:
         # The first decode of a process runs slower (measured: 78 ms a treespark round against
         # 57 ms warm), which would fall on whichever method is timed first: warm both.
-        lm.generate(args.prompt, **request, **decoding)
-        lm.generate(args.prompt, **request, method="ar")
-    result = lm.generate(args.prompt, **request, **decoding)
+        lm.generate(args.prompt, config, chat=args.chat)
+        lm.generate(args.prompt, config.autoregressive(), chat=args.chat)
+    result = lm.generate(args.prompt, config, chat=args.chat)
     out = {"method": method, "prompt": result.prompt, "prompt_ids": result.prompt_ids,
            "token_ids": result.token_ids, "text": result.text, "stats": _stats_json(result.stats)}
     lines = [f"[{method}] {_stats_line(result.stats)}"]
     if args.compare_ar:
-        ar = lm.generate(args.prompt, **request, method="ar")
+        ar = lm.generate(args.prompt, config.autoregressive(), chat=args.chat)
         speedup = result.stats.tokens_per_s / ar.stats.tokens_per_s
-        same = ar.token_ids == result.token_ids if args.temp == 0 else None
+        same = ar.token_ids == result.token_ids if config.greedy else None
         out["ar"] = {"token_ids": ar.token_ids, "stats": _stats_json(ar.stats), "speedup": speedup,
                      "identical": same}
         lines.append(f"[ar] {_stats_line(ar.stats)}")

@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "its halvings at each context length, and the draft cost of a round "
                     "(block drafter + tree build), on JAX's default device at batch 1; fit the "
                     "monotone convex cost model of the cost-aware stop and store it as JSON under "
-                    "the cache (profiles/<device kind>/<target id>.json) unless --out is given.")
+                    "the cache (profiles/<device kind>/<target id>.json) unless --json-out is given.")
     add_target_args(prof)
     prof.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                       help="tree budget N: rows profiled are rung + 1 for the default ladders of N, N/2, ... 1")
@@ -27,14 +27,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--drafter", default=None, metavar="PATH",
                       help="drafter checkpoint whose round is timed (default: the treespark drafter shipped "
                            "for the preset), or 'random' (an untrained one drafting from the whole vocabulary)")
-    prof.add_argument("--out", default=None, metavar="FILE", help="write the profile here instead")
+    prof.add_argument("--json-out", default=None, metavar="FILE", help="write the profile here instead")
 
 
 def run(args: argparse.Namespace) -> None:
     """Prints the cost table and writes the profile JSON (its path goes to stderr).
 
     Raises:
-      ValueError: bad ``--budget``, ``--contexts``, ``--repeats`` or ``--out`` (checked before the target loads),
+      ValueError: bad ``--budget``, ``--contexts``, ``--repeats`` or ``--json-out`` (checked before the target loads),
         a target the loader rejects, or a drafter checkpoint ``load_drafter`` rejects.
     """
     from treespark_jax.bench.profile import check_profile_args, cost_table, parse_contexts, profile_cost
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> None:
 
     contexts = parse_contexts(args.contexts)
     check_profile_args(args.budget, contexts, args.repeats)  # before the slow load
-    check_out_file("--out", args.out)
+    check_out_file("--json-out", args.json_out)
     name = target_name(args)
     target = load_target(name, args.dtype)
     # The drafter that decodes by default (the shipped one), else a random whole-vocabulary one.
@@ -54,5 +54,5 @@ def run(args: argparse.Namespace) -> None:
     cost = profile_cost(target.model, target=target_id(name, args.dtype), budget=args.budget,
                         contexts=contexts, repeats=args.repeats, drafter=drafter, progress=True)
     print(cost_table(cost))
-    written = save_cost_model(cost, args.out or profile_path(cost.device, cost.target))
+    written = save_cost_model(cost, args.json_out or profile_path(cost.device, cost.target))
     print(f"wrote {written}", file=sys.stderr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import add_target_args, target_name
+from treespark_jax.cli.common import add_mesh_arg, add_target_args, target_name
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
 
@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ro.add_argument("--out", required=True, metavar="DIR",
                     help="rollout directory (created; one holding a manifest is resumed)")
     ro.add_argument("--max-new-tokens", type=int, default=256, help="cap on response tokens per prompt")
-    ro.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy)")
+    ro.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     ro.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
     ro.add_argument("--seed", type=int, default=0, help="base seed (each prompt's seed derives from it)")
     ro.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch and per shard")
@@ -38,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ro.add_argument("--layer-ids", default=None, metavar="IDS",
                     help="comma-separated target layers of the stored features (default: the drafter's, "
                          "else the default ids for the target)")
+    add_mesh_arg(ro)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -45,7 +46,8 @@ def run(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: ``--limit`` below 1 or ``--layer-ids`` that are not integers; the prompt loader
-        (before the target loads), the target loader and the rollout writer raise it for their bad input.
+        (before the target loads), the target loader (a bad ``--mesh`` too) and the rollout writer
+        raise it for their bad input.
     """
     from pathlib import Path
 
@@ -67,14 +69,14 @@ def run(args: argparse.Namespace) -> None:
     prompts = load_prompts(args.prompts, split)[: args.limit]  # before the slow target load
     source = {"source": args.prompts if is_set else str(Path(args.prompts).resolve()), "split": split,
               "split_seed": 0, "eval_size": DEFAULT_EVAL_SIZE if is_set else None}
-    lm = load(target_name(args), args.dtype)
+    lm = load(target_name(args), args.dtype, mesh=args.mesh)
     spec, method, budget, drafter_id = None, "ar", None, None
     if args.drafter:
-        spec = lm.speculation(args.method, args.budget, drafter=args.drafter)
+        spec = lm.speculation(method=args.method, budget=args.budget, drafter=args.drafter)
         layer_ids = layer_ids or list(lm.drafter(args.method, args.drafter).cfg.target_layer_ids)
         method, budget = args.method, args.budget
         drafter_id = args.drafter if args.drafter == "random" else str(Path(args.drafter).resolve())
-    settings = RolloutSettings(max_new_tokens=args.max_new_tokens, temp=args.temp, top_p=args.top_p,
+    settings = RolloutSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                seed=args.seed, batch_size=args.batch_size, method=method, budget=budget,
                                drafter=drafter_id)
     run = write_rollouts(lm.target, prompts, args.out, settings=settings, layer_ids=layer_ids, spec=spec,

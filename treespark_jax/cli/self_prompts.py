@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import add_target_args, check_out_file, target_name
+from treespark_jax.cli.common import add_mesh_arg, add_target_args, check_out_file, target_name
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -13,26 +13,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "self-prompts", help="let the target write user turns (training prompts) into a JSONL file",
         description="The instruct target samples user turns from its own chat template at temperature 1 "
                     "(docs/training.md; prompts.self_generated), seeded per row, and the distinct "
-                    "non-empty ones are written to --out, one {\"id\", \"prompt\", \"seed\", \"finished\"} "
+                    "non-empty ones are written to --json-out, one {\"id\", \"prompt\", \"seed\", \"finished\"} "
                     "object per line: the format `treespark rollout --prompts FILE.jsonl` reads.")
     add_target_args(sp)
-    sp.add_argument("--n", type=int, required=True, metavar="N", help="prompts wanted")
-    sp.add_argument("--out", required=True, metavar="FILE.jsonl", help="new JSONL file (an existing one is refused)")
+    sp.add_argument("--limit", type=int, required=True, metavar="N", help="prompts wanted")
+    sp.add_argument("--json-out", required=True, metavar="FILE.jsonl",
+                    help="new JSONL file (an existing one is refused)")
     sp.add_argument("--seed", type=int, default=0, help="generation seed (row i samples with SeedSequence([seed, i]))")
     sp.add_argument("--max-new-tokens", type=int, default=64, help="cap on the tokens of one user turn")
     sp.add_argument("--batch-size", type=int, default=16,
                     help="rows per generation call (the prompts depend on it: keep it to reproduce a file)")
     sp.add_argument("--drop-unfinished", action="store_true",
                     help="also drop turns cut at --max-new-tokens before the end-of-turn token")
+    add_mesh_arg(sp)
 
 
 def run(args: argparse.Namespace) -> None:
     """Writes the prompt file (all at once, through a temporary file) and prints a summary table.
 
     Raises:
-      ValueError: ``--n``, ``--max-new-tokens`` or ``--batch-size`` below 1, a negative ``--seed``,
-        an ``--out`` that exists or whose folder does not (all before the target loads), a
-        target without a chat template, or no usable user turn at all (no file is written).
+      ValueError: ``--limit``, ``--max-new-tokens`` or ``--batch-size`` below 1, a negative ``--seed``,
+        a ``--json-out`` that exists or whose folder does not (all before the target loads), a bad
+        ``--mesh``, a target without a chat template, or no usable user turn at all (no file is
+        written).
     """
     import json
     import time
@@ -42,17 +45,17 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.files import write_text_atomic
     from treespark_jax.prompts.self_generated import self_generated_prompts
 
-    for flag, value, low in (("--n", args.n, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+    for flag, value, low in (("--limit", args.limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--batch-size", args.batch_size, 1), ("--seed", args.seed, 0)):
         if value < low:
             raise ValueError(f"{flag} {value} must be at least {low}.")
-    check_out_file("--out", args.out)
-    out = Path(args.out)
+    check_out_file("--json-out", args.json_out)
+    out = Path(args.json_out)
     if out.exists():
-        raise ValueError(f"--out {args.out} already exists; remove it or choose another file.")
-    lm = load(target_name(args), args.dtype)
+        raise ValueError(f"--json-out {args.json_out} already exists; remove it or choose another file.")
+    lm = load(target_name(args), args.dtype, mesh=args.mesh)
     start = time.perf_counter()
-    records = self_generated_prompts(lm, args.n, seed=args.seed, max_new_tokens=args.max_new_tokens,
+    records = self_generated_prompts(lm, args.limit, seed=args.seed, max_new_tokens=args.max_new_tokens,
                                      batch_size=args.batch_size, drop_unfinished=args.drop_unfinished)
     seconds = time.perf_counter() - start
     if not records:
@@ -63,6 +66,6 @@ def run(args: argparse.Namespace) -> None:
                         ensure_ascii=False) for r in records]
     write_text_atomic(out, "".join(line + "\n" for line in lines))  # never half-written under its name
     rows = [("file", str(out.resolve())),
-            ("prompts", f"{len(records)} of {args.n} ({sum(r.meta['finished'] for r in records)} ended at end-of-turn)"),
+            ("prompts", f"{len(records)} of {args.limit} ({sum(r.meta['finished'] for r in records)} ended at end-of-turn)"),
             ("seconds", f"{seconds:.1f}")]
     print("\n".join(f"{k:<8} {v}" for k, v in rows))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import add_target_args
+from treespark_jax.cli.common import add_mesh_arg, add_target_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,10 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "TREESPARK_DISTRIBUTED=1 on TPU pods/Slurm) and run the same command on every host.")
     add_target_args(tr)
     tr.add_argument("--rollouts", required=True, nargs="+", metavar="DIR", help="rollout directories")
-    tr.add_argument("--loss", required=True, metavar="NAME", help=f"training loss ({', '.join(LOSSES)})")
+    tr.add_argument("--loss", required=True, choices=LOSSES, help="training loss (the drafter's heads follow it)")
     tr.add_argument("--out", required=True, metavar="DIR", help="run directory (one holding run.json is resumed)")
     tr.add_argument("--steps", type=int, default=d.steps, help="optimizer steps of the whole run")
-    tr.add_argument("--batch", type=int, default=d.batch, help="global batch in sequences per step")
+    tr.add_argument("--batch-size", type=int, default=d.batch, help="global batch in sequences per step")
     tr.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     tr.add_argument("--warmup", type=int, default=None, help="warm-up steps (default min(100, steps/10))")
     tr.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr of the cosine")
@@ -51,9 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "layer) instead of random weights")
     tr.add_argument("--loss-weights", default=None, metavar="K=V,...",
                     help="loss term weights (losses.chain.LossConfig fields), e.g. chain_l1=0.9,tree_coverage=0.5")
-    tr.add_argument("--mesh", default=None, metavar="data=N,model=M",
-                    help="devices per mesh axis, e.g. data=4,model=2 (default: every device on data); a "
-                         "checkpoint resumes on any mesh")
+    add_mesh_arg(tr, "; a checkpoint resumes on any mesh")
     tr.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint interval in steps")
     tr.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
     tr.add_argument("--log-every", type=int, default=d.log_every, help="metrics interval in steps")
@@ -91,7 +89,7 @@ def run(args: argparse.Namespace) -> None:
     """Trains (or resumes) the run under ``--out`` and prints a summary table.
 
     Raises:
-      ValueError: ``--steps``, ``--batch`` or ``--anchors`` below 1, a bad ``--mesh``; the training
+      ValueError: ``--steps``, ``--batch-size`` or ``--anchors`` below 1, a bad ``--mesh``; the training
         loop raises it for an unknown loss, unusable rollouts or a run directory of other settings.
     """
     from treespark_jax.config import TrainConfig
@@ -100,10 +98,10 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.train.loop import train
 
     maybe_initialize_distributed()  # before any JAX computation
-    for flag in ("steps", "batch", "anchors"):
+    for flag in ("steps", "batch_size", "anchors"):
         if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag} {getattr(args, flag)} must be at least 1.")
-    cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup,
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1.")
+    cfg = TrainConfig(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,
                       seed=args.seed, seq_len=args.seq_len, anchors=args.anchors, trees=args.trees,
                       save_every=args.save_every, keep=args.keep, log_every=args.log_every)

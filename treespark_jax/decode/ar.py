@@ -36,7 +36,7 @@ def target_step(model: Decoder, state: GenState, requests: Requests, greedy: boo
     output = model(state.anchor[:, None], positions, decode_mask(cache.lengths, cache.capacity), cache, layer_ids)
     logits = model.logits(output.hidden)[:, 0]
     token = sample_token(row_keys(requests, STREAM_TARGET_SAMPLE, state.n_out), logits,
-                         requests.temp, requests.top_p, greedy)
+                         requests.temperature, requests.top_p, greedy)
     advance = (~state.done).astype(jnp.int32)
     state = state.replace(cache=output.cache.replace(lengths=cache.lengths + advance),
                           anchor=jnp.where(state.done, state.anchor, token), steps=state.steps + 1)

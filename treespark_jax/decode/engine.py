@@ -46,7 +46,7 @@ def row_seeds(n_rows: int, seed: int | Sequence[int]) -> list[int]:
     return seeds + [0] * (n_rows - len(seeds))
 
 
-def check_sampling(max_new_tokens: int, temp: float, top_p: float, seed: int | Sequence[int] = 0,
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | Sequence[int] = 0,
                    n_rows: int = 1) -> None:
     """Validates the settings of a request that do not depend on its prompts (a command line
     checks them before loading anything).
@@ -60,13 +60,13 @@ def check_sampling(max_new_tokens: int, temp: float, top_p: float, seed: int | S
         raise ValueError(f"seed {bad} is outside 0..{MAX_SEED} (prompt i of a batch uses seed + i).")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1.")
-    if not (temp >= 0 and math.isfinite(temp)):
-        raise ValueError(f"temperature {temp} is negative or not finite; use 0 for greedy or a positive value.")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature {temperature} is negative or not finite; use 0 for greedy or a positive value.")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} is outside (0, 1].")
 
 
-def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temp: float, top_p: float,
+def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temperature: float, top_p: float,
                   context: int, seed: int | Sequence[int] = 0) -> None:
     """Validates a request before anything runs.
 
@@ -76,7 +76,7 @@ def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temp: float, 
     """
     if not prompt_lens:
         raise ValueError("no prompts were given; pass at least one prompt.")
-    check_sampling(max_new_tokens, temp, top_p, seed, len(prompt_lens))
+    check_sampling(max_new_tokens, temperature, top_p, seed, len(prompt_lens))
     for i, n in enumerate(prompt_lens):
         which = "the prompt" if len(prompt_lens) == 1 else f"prompt {i}"
         if n < 1:
@@ -121,7 +121,7 @@ class Engine:
         """Longest sequence (prompt + output, tokens) the target accepts."""
         return self.model.cfg.max_positions
 
-    def requests(self, n_rows: int, max_new_tokens: int, temp: float, top_p: float,
+    def requests(self, n_rows: int, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int | Sequence[int]) -> Requests:
         """Per-row request arrays; row ``i`` of a multi-prompt call uses seed ``seed + i``
         unless a list of seeds is given."""
@@ -129,7 +129,7 @@ class Engine:
         # (``check_request`` has checked the prompts' own rows).
         seeds = [s % (MAX_SEED + 1) for s in row_seeds(n_rows, seed)]
         return Requests(
-            temp=jnp.full((n_rows,), temp, jnp.float32),
+            temperature=jnp.full((n_rows,), temperature, jnp.float32),
             top_p=jnp.full((n_rows,), top_p, jnp.float32),
             keys=jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32)),
             max_new=jnp.full((n_rows,), max_new_tokens, jnp.int32),
@@ -144,7 +144,7 @@ class Engine:
         """``weights`` placed on the mesh by the partition rules (unchanged without a mesh or weights)."""
         return weights if self.layout is None or weights is None else self.layout.place(weights)
 
-    def pad(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float, top_p: float,
+    def pad(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float,
             seed: int | Sequence[int], tree_rows: int = 1):
         """Validates and pads a request to its buckets: ``(args, capacity, out_size, requests)``
         with ``args = (graphdef, weights, tokens, prompt_lens, active, requests)`` on the mesh.
@@ -153,7 +153,7 @@ class Engine:
           ValueError: an invalid request (see ``check_request``).
         """
         lens = [len(p) for p in prompts]
-        check_request(lens, max_new_tokens, temp, top_p, self.context, seed)
+        check_request(lens, max_new_tokens, temperature, top_p, self.context, seed)
         shape = buckets.RequestShape.of(len(prompts), max(lens), max_new_tokens, tree_rows, self.data_size)
         b, t, out_size, capacity = shape.batch, shape.prompt, shape.output, shape.capacity
         tokens = np.zeros((b, t), np.int32)
@@ -162,7 +162,7 @@ class Engine:
         prompt_lens = np.ones((b,), np.int32)
         prompt_lens[: len(lens)] = lens
         active = np.arange(b) < len(prompts)
-        requests = self.requests(b, max_new_tokens, temp, top_p, seed)
+        requests = self.requests(b, max_new_tokens, temperature, top_p, seed)
         rows = (tokens, prompt_lens, active)
         if self.layout is None:
             rows = tuple(jnp.asarray(x) for x in rows)
@@ -183,29 +183,29 @@ class Engine:
         """
         return Session(self, spec, greedy, log_trees)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float = 0.0,
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | Sequence[int] = 0, spec: Speculation | None = None
                  ) -> tuple[list[list[int]], GenerationStats]:
         """One call's generation in a session made for it (``Session.generate``; ``spec=None``
         decodes autoregressively). Repeated calls on a mesh should keep a ``session`` instead,
         whose drafter weights are placed once."""
-        return self.session(spec, temp == 0).generate(prompts, max_new_tokens, temp, top_p, seed)
+        return self.session(spec, temperature == 0).generate(prompts, max_new_tokens, temperature, top_p, seed)
 
     def generate_logged(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, spec: Speculation,
-                        temp: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0
+                        temperature: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0
                         ) -> tuple[list[list[int]], GenerationStats, list[dict[str, np.ndarray]]]:
         """One call's generation with every verified tree (``Session.generate_logged``), in a
         session made for it."""
-        session = self.session(spec, temp == 0, log_trees=True)
-        return session.generate_logged(prompts, max_new_tokens, temp, top_p, seed)
+        session = self.session(spec, temperature == 0, log_trees=True)
+        return session.generate_logged(prompts, max_new_tokens, temperature, top_p, seed)
 
-    def stream(self, prompt: Sequence[int], max_new_tokens: int, temp: float = 0.0, top_p: float = 1.0,
+    def stream(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, spec: Speculation | None = None) -> Iterator[list[int]]:
         """One prompt's newly committed ids as they come, in a session made for it (``Session.stream``)."""
-        return self.session(spec, temp == 0).stream(prompt, max_new_tokens, temp, top_p, seed)
+        return self.session(spec, temperature == 0).stream(prompt, max_new_tokens, temperature, top_p, seed)
 
     def generate_features(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, layer_ids: Sequence[int],
-                          temp: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0
+                          temperature: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0
                           ) -> tuple[list[list[int]], list[tuple[np.ndarray, np.ndarray]]]:
         """Autoregressive ``generate`` that also returns every token's target features (rollouts).
 
@@ -215,7 +215,7 @@ class Engine:
         per (batch, prompt, output) bucket and layer ids.
 
         Args:
-          prompts, max_new_tokens, temp, top_p, seed: as ``generate``.
+          prompts, max_new_tokens, temperature, top_p, seed: as ``generate``.
           layer_ids: 0-based target layers whose outputs to log (concatenated in this order).
 
         Returns:
@@ -225,9 +225,9 @@ class Engine:
         Raises:
           ValueError: as ``generate``.
         """
-        args, capacity, out_size, _ = self.pad(prompts, max_new_tokens, temp, top_p, seed)
+        args, capacity, out_size, _ = self.pad(prompts, max_new_tokens, temperature, top_p, seed)
         with self.mesh_context():
-            state, log = jitted.logged_ar_program(*args, capacity=capacity, out_size=out_size, greedy=temp == 0,
+            state, log = jitted.logged_ar_program(*args, capacity=capacity, out_size=out_size, greedy=temperature == 0,
                                             layer_ids=tuple(int(i) for i in layer_ids), layout=self.layout)
             out, n_out, log = jax.device_get((state.out, state.n_out, log))
         ids = [out[i, : n_out[i]].tolist() for i in range(len(prompts))]

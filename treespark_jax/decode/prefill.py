@@ -50,7 +50,7 @@ def prefill(model: Decoder, tokens: Int[Array, "B T"], prompt_lens: Int[Array, "
     logits = model.logits(last)[:, 0]
     zeros = jnp.zeros((b,), jnp.int32)
     first = sample_token(row_keys(requests, STREAM_TARGET_SAMPLE, zeros), logits,
-                         requests.temp, requests.top_p, greedy)
+                         requests.temperature, requests.top_p, greedy)
     state = GenState(
         cache=output.cache.replace(lengths=prompt_lens.astype(jnp.int32)),
         anchor=first, out=jnp.zeros((b, out_size), jnp.int32), n_out=zeros,

@@ -74,18 +74,18 @@ class Session:
             return jitted.ar_program, args, dict(greedy=self.greedy, layout=e.layout)
         return jitted.spec_program, args, dict(proposer=self.spec.proposer, plan=self.plan, layout=e.layout)
 
-    def _pad(self, prompts, max_new_tokens, temp, top_p, seed):
-        padded = self.engine.pad(prompts, max_new_tokens, temp, top_p, seed, self.tree_rows)  # validates
-        if (temp == 0) != self.greedy:
+    def _pad(self, prompts, max_new_tokens, temperature, top_p, seed):
+        padded = self.engine.pad(prompts, max_new_tokens, temperature, top_p, seed, self.tree_rows)  # validates
+        if (temperature == 0) != self.greedy:
             mode = "greedily (temperature 0)" if self.greedy else "by sampling (temperature > 0)"
-            raise ValueError(f"temperature {temp} does not fit this session, which decodes {mode}; "
-                             f"use a session made with greedy={temp == 0}.")
+            raise ValueError(f"temperature {temperature} does not fit this session, which decodes {mode}; "
+                             f"use a session made with greedy={temperature == 0}.")
         return padded
 
-    def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float, top_p: float,
+    def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float,
               seed: int | Sequence[int]):
         """Validates, pads to buckets and prefills. Returns the loop state and the requests."""
-        args, capacity, out_size, requests = self._pad(prompts, max_new_tokens, temp, top_p, seed)
+        args, capacity, out_size, requests = self._pad(prompts, max_new_tokens, temperature, top_p, seed)
         program, args, kwargs = self._prefill_call(args, capacity, out_size)
         with self.engine.mesh_context():
             return program(*args, **kwargs), requests
@@ -114,8 +114,8 @@ class Session:
           ValueError: a request of these sizes would be refused (see ``engine.check_request``).
         """
         before = jitted.compiled_programs()
-        temp = 0.0 if self.greedy else 1.0
-        args, capacity, out_size, requests = self._pad([[0] * prompt_len] * batch, max_new_tokens, temp, 1.0, 0)
+        temperature = 0.0 if self.greedy else 1.0
+        args, capacity, out_size, requests = self._pad([[0] * prompt_len] * batch, max_new_tokens, temperature, 1.0, 0)
         with self.engine.mesh_context():
             program, args, kwargs = self._prefill_call(args, capacity, out_size)
             state = program.compile(*args, **kwargs)
@@ -123,14 +123,14 @@ class Session:
             program.compile(*args, **kwargs)
         return jitted.compiled_programs() - before
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float = 0.0,
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | Sequence[int] = 0) -> tuple[list[list[int]], GenerationStats]:
         """Generation for a batch of tokenized prompts.
 
         Args:
           prompts: token ids per prompt (different lengths allowed).
           max_new_tokens: cap on emitted tokens per prompt (the stop token counts).
-          temp: temperature: 0 for a greedy session, > 0 for a sampling one.
+          temperature: 0 for a greedy session, > 0 for a sampling one.
           top_p: nucleus mass in ``(0, 1]``.
           seed: request seed (row ``i`` uses ``seed + i``) or one seed per prompt.
 
@@ -141,10 +141,10 @@ class Session:
           ValueError: invalid request (see ``engine.check_request``) or a temperature of the other
             sampling mode.
         """
-        ids, stats, _ = self._generate(prompts, max_new_tokens, temp, top_p, seed)
+        ids, stats, _ = self._generate(prompts, max_new_tokens, temperature, top_p, seed)
         return ids, stats
 
-    def generate_logged(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temp: float = 0.0,
+    def generate_logged(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                         top_p: float = 1.0, seed: int | Sequence[int] = 0
                         ) -> tuple[list[list[int]], GenerationStats, list[dict[str, np.ndarray]]]:
         """``generate`` that also returns every verified tree (a session made with ``log_trees``).
@@ -160,12 +160,12 @@ class Session:
         """
         if not self.log_trees:
             raise ValueError("this session does not log trees; make it with log_trees=True.")
-        return self._generate(prompts, max_new_tokens, temp, top_p, seed)
+        return self._generate(prompts, max_new_tokens, temperature, top_p, seed)
 
-    def _generate(self, prompts, max_new_tokens, temp, top_p, seed):
+    def _generate(self, prompts, max_new_tokens, temperature, top_p, seed):
         compiles = jitted.compiled_programs()
         t0 = time.perf_counter()
-        state, requests = self.start(prompts, max_new_tokens, temp, top_p, seed)
+        state, requests = self.start(prompts, max_new_tokens, temperature, top_p, seed)
         # A zero-step run compiles the loop program, so decode time excludes compilation.
         state = jax.block_until_ready(self.run(state, requests, 0))
         t1 = time.perf_counter()
@@ -183,14 +183,14 @@ class Session:
         trees = [row_trees(log, i) for i in range(len(prompts))] if self.log_trees else []
         return ids, stats, trees
 
-    def stream(self, prompt: Sequence[int], max_new_tokens: int, temp: float = 0.0, top_p: float = 1.0,
+    def stream(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0) -> Iterator[list[int]]:
         """Yields lists of newly emitted ids for one prompt as they are committed.
 
         Uses the same compiled loop as ``generate`` (the stop step is an array argument),
         syncing every ``STREAM_CHUNK`` AR steps or every speculative round.
         """
-        state, requests = self.start([prompt], max_new_tokens, temp, top_p, seed)
+        state, requests = self.start([prompt], max_new_tokens, temperature, top_p, seed)
         chunk = STREAM_CHUNK if self.spec is None else 1
         sent = 0
         while True:

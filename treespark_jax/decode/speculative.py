@@ -91,7 +91,7 @@ def _verify(model: Decoder, proposer: Proposer, plan: RoundPlan, n: int, tree: D
     tokens, positions, mask = verify_inputs(sub, gen.anchor, cache.lengths, cache.capacity, tcfg.max_depth)
     out = model(tokens, positions, mask, cache, proposer.layer_ids)
     acc = accept(sub, model.logits(out.hidden), rule=plan.rule, max_depth=tcfg.max_depth, keys=keys,
-                 temp=requests.temp, top_p=requests.top_p, proposal=proposal, anchor=gen.anchor,
+                 temperature=requests.temperature, top_p=requests.top_p, proposal=proposal, anchor=gen.anchor,
                  branch=tcfg.branch)
     acc = acc.replace(accepted=jnp.pad(acc.accepted, ((0, 0), (0, tcfg.budget - n))))
     hidden = jnp.pad(out.hidden, ((0, 0), (0, tcfg.budget - n), (0, 0))) if plan.log_trees else None
@@ -131,7 +131,7 @@ def drafted_round(model: Decoder, proposer: Proposer, plan: RoundPlan, state: Sp
     active = ~gen.done
     keys = jax.vmap(jax.random.fold_in)(requests.keys, gen.n_out)
     proposal = proposer.propose(state.proposer, gen.anchor, keys)
-    tree = build_tree(proposal, gen.anchor, tcfg, rule=plan.rule, temp=requests.temp, top_p=requests.top_p,
+    tree = build_tree(proposal, gen.anchor, tcfg, rule=plan.rule, temperature=requests.temperature, top_p=requests.top_p,
                       keys=keys)
 
     ladder = plan.ladder

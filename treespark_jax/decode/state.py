@@ -16,14 +16,14 @@ class Requests:
     """Per-row request settings (arrays, so changing them never recompiles).
 
     Attributes:
-      temp: ``[B]`` float temperature (ignored by greedy programs).
+      temperature: ``[B]`` float temperature (ignored by greedy programs).
       top_p: ``[B]`` float nucleus mass in ``(0, 1]``.
       keys: ``[B]`` PRNG keys, one per request (from its seed), never from its batch position.
       max_new: ``[B]`` int32 cap on emitted tokens.
       stop_ids: ``[X]`` int32 end-of-sequence ids (merged from every source by the tokenizer).
     """
 
-    temp: Float[Array, "B"]
+    temperature: Float[Array, "B"]
     top_p: Float[Array, "B"]
     keys: Key[Array, "B"]
     max_new: Int[Array, "B"]

@@ -88,8 +88,8 @@ class TargetHead:
           ``lse [...]`` float32 and ``top [...]`` int32 (a token id for the whole head).
         """
         logits = self.logits(hidden).astype(jnp.float32)
-        temp = jnp.asarray(temperature, jnp.float32)[..., None]
-        return jax.nn.logsumexp(logits / temp, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        temperature = jnp.asarray(temperature, jnp.float32)[..., None]
+        return jax.nn.logsumexp(logits / temperature, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 class DraftVocab(nnx.Variable):

@@ -26,7 +26,7 @@ Choices the design leaves open:
   so is the acceptance ``1 − ½‖q − p‖₁``. A gold label outside the columns cannot be drafted:
   its cross-entropy is left out of the mean (the L1 term still counts its mass).
 - **Temperature 1 on the chain.** ``p_t = softmax(target logits)``: a drafter with
-  ``q = p_t`` also matches at every temperature (both are scaled by ``1/temp`` identically) and
+  ``q = p_t`` also matches at every temperature (both are scaled by ``1/temperature`` identically) and
   ranks like the target at temperature 0, so one drafter serves all temperatures.
 """
 

@@ -17,9 +17,9 @@ follow the rule the tree was verified with and carry no gradient:
   (``tree.accept_rejection.node_rejection``) on the full vocabulary from the current drafter's
   ``q`` (stop-gradient). For the first-drawn child this is ``min(1, p/q)``.
 
-Distributions: at temperature ``temp`` of the logged tree (both ``p_u`` and ``q(·|x_u)`` scaled by
-``1/temp``, so ``q = p`` is optimal at every temperature; top-p is not applied, rollouts are
-logged with ``top_p = 1``); the greedy rule and trees with ``temp ≤ 0`` use temperature 1
+Distributions: at temperature ``temperature`` of the logged tree (both ``p_u`` and ``q(·|x_u)`` scaled by
+``1/temperature``, so ``q = p`` is optimal at every temperature; top-p is not applied, rollouts are
+logged with ``top_p = 1``); the greedy rule and trees with ``temperature ≤ 0`` use temperature 1
 (only their ``y_u = one-hot argmax`` depends on the rule). On the drafter's logit columns, as on
 the chain (``losses.chain``): the whole vocabulary, or a draft vocabulary with the target
 normalised over the whole one by the logsumexp the rollout stored for the tree's temperature,
@@ -53,11 +53,11 @@ class LoggedTrees:
       accepted: ``[Tr, N]`` bool, the node was on the accepted path.
       target_logits: ``[Tr, N + 1, V]`` the target's logits per verification row (row 0 = anchor),
         from the logged final-norm hidden states and the frozen LM head, on the drafter's columns.
-      temp: ``[Tr]`` float temperature the tree was verified at (ignored by ``greedy``).
+      temperature: ``[Tr]`` float temperature the tree was verified at (ignored by ``greedy``).
       columns: ``[Tr, N]`` int32 logit column of each node's token, or ``None`` when the columns
         are the whole vocabulary (column = token id).
       target_lse: ``[Tr, N + 1]`` logsumexp over the whole vocabulary of the target's logits
-        divided by the rule's temperature (1 for ``greedy`` and temp-0 trees), or ``None`` when
+        divided by the rule's temperature (1 for ``greedy`` and temperature-0 trees), or ``None`` when
         the columns are the whole vocabulary.
       top_columns: ``[Tr, N + 1]`` int32 column of the target's argmax per row (``V`` when it
         lies outside the columns), or ``None`` to take the argmax of ``target_logits``.
@@ -66,7 +66,7 @@ class LoggedTrees:
     tree: DraftTree
     accepted: Bool[Array, "Tr N"]
     target_logits: Float[Array, "Tr R V"]
-    temp: Float[Array, "Tr"]
+    temperature: Float[Array, "Tr"]
     columns: Int[Array, "Tr N"] | None = None
     target_lse: Float[Array, "Tr R"] | None = None
     top_columns: Int[Array, "Tr R"] | None = None
@@ -213,9 +213,9 @@ def verify_targets(child_logits: Float[Array, "Tr R V"], trees: LoggedTrees, rul
     top = jnp.argmax(target, axis=-1) if trees.top_columns is None else trees.top_columns
     greedy_edge = greedy_edges(tree, columns, top, target.dtype)
     one_hot = jax.nn.one_hot(top, target.shape[-1], dtype=target.dtype)  # all 0 for an argmax outside
-    temp = jnp.broadcast_to(jnp.asarray(trees.temp, target.dtype), target.shape[:1])
-    greedy_rows = greedy_tree(rule, temp)
-    warm = tree_temperature(rule, temp).astype(target.dtype)[:, None, None]
+    temperature = jnp.broadcast_to(jnp.asarray(trees.temperature, target.dtype), target.shape[:1])
+    greedy_rows = greedy_tree(rule, temperature)
+    warm = tree_temperature(rule, temperature).astype(target.dtype)[:, None, None]
     log_p, tail = target_log_probs(target / warm, trees.target_lse)
     log_q = jax.nn.log_softmax(logits / warm, axis=-1)
     if rule == "greedy":

@@ -34,10 +34,14 @@ of target layer ids, ``R`` = verified rounds, ``N`` = tree budget)::
                                          the anchor, row i+1 = node i (so p_u is exact)
     node_lse      float32   [R, N+1]     logsumexp over the whole vocabulary of the row's logits
                                          divided by the rule's temperature (``temp``, 1 for greedy
-                                         and temp 0), from the stored ``node_hidden``
+                                         and temperature 0), from the stored ``node_hidden``
     node_top      int32     [R, N+1]     argmax token of the row's logits
     rule          str                    verify rule: "greedy", "match" or "rejection"
     temp          float                  temperature the tree was verified at
+
+A temperature is stored under the key ``temp`` (the format is unchanged, so rollouts written
+before the API said ``temperature`` read as before); in Python it is ``temperature``
+(``make_record``'s argument, ``StoredTrees.temperature``, ``RolloutSettings.temperature``).
 
 Bytes: ``flax.serialization.msgpack_serialize`` of the dict. It stores each numpy array as its
 dtype name, shape and raw bytes, so bfloat16 (``ml_dtypes``) survives exactly; decoding returns
@@ -55,13 +59,14 @@ from flax import serialization
 
 from treespark_jax.config import TREE_RULES
 
-__all__ = ["FEATURE_DTYPE", "RECORD_FIELDS", "RolloutError", "StoredTrees", "decode_record",
+__all__ = ["FEATURE_DTYPE", "RECORD_FIELDS", "RolloutError", "STORED_KEYS", "StoredTrees", "decode_record",
            "encode_record", "make_record"]
 
 FEATURE_DTYPE = np.dtype(ml_dtypes.bfloat16)
 RECORD_FIELDS = ("tokens", "loss_mask", "features", "hidden", "target_lse", "target_top", "prompt_set",
                  "prompt_id", "seed", "temp", "top_p", "finished")
 _TREE_INT_FIELDS = ("tokens", "parents", "depths", "sibling_rank")
+STORED_KEYS = {"temperature": "temp"}  # Python name → the key records store it under
 
 
 class RolloutError(ValueError):
@@ -70,7 +75,8 @@ class RolloutError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class StoredTrees:
-    """Every tree verified while generating one record (fields as in the module docstring)."""
+    """Every tree verified while generating one record (fields as in the module docstring; the
+    stored key of ``temperature`` is ``temp``)."""
 
     anchor_pos: np.ndarray
     tokens: np.ndarray
@@ -83,12 +89,12 @@ class StoredTrees:
     node_lse: np.ndarray
     node_top: np.ndarray
     rule: str
-    temp: float
+    temperature: float
 
     def to_dict(self) -> dict[str, Any]:
         """The record's ``trees`` entry (arrays cast to their stored dtypes)."""
         out = {"anchor_pos": np.asarray(self.anchor_pos, np.int32), "rule": str(self.rule),
-               "temp": float(self.temp), "valid": np.asarray(self.valid, bool),
+               "temp": float(self.temperature), "valid": np.asarray(self.valid, bool),
                "accepted": np.asarray(self.accepted, bool),
                "node_hidden": np.asarray(self.node_hidden).astype(FEATURE_DTYPE),
                "node_lse": np.asarray(self.node_lse, np.float32), "node_top": np.asarray(self.node_top, np.int32)}
@@ -98,7 +104,7 @@ class StoredTrees:
     @classmethod
     def from_dict(cls, trees: dict[str, Any]) -> StoredTrees:
         """The inverse of ``to_dict``."""
-        return cls(**{f.name: trees[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: trees[STORED_KEYS.get(f.name, f.name)] for f in dataclasses.fields(cls)})
 
     def check(self, tokens: np.ndarray, d_model: int) -> None:
         """Checks shapes and tree structure against the record's ``tokens`` ``[T]``.
@@ -118,8 +124,8 @@ class StoredTrees:
                                "[R, N+1], anchor_pos [R]); got "
                                + ", ".join(f"{k} {v.shape}" for k, v in t.items() if isinstance(v, np.ndarray)))
         if t["rule"] not in TREE_RULES or not t["temp"] >= 0:
-            raise RolloutError(f"tree log rule {t['rule']!r} / temp {t['temp']} must be one of "
-                               f"{', '.join(TREE_RULES)} with temp ≥ 0.")
+            raise RolloutError(f"tree log rule {t['rule']!r} / temperature {t['temp']} must be one of "
+                               f"{', '.join(TREE_RULES)} with temperature ≥ 0.")
         pos, parents = t["anchor_pos"], t["parents"]
         if np.any(pos < 0) or np.any(pos >= len(tokens)):
             raise RolloutError(f"tree anchor positions must lie in [0, {len(tokens)}), the record's tokens.")
@@ -136,7 +142,7 @@ class StoredTrees:
 
 
 def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_top, *, prompt_set: str,
-                prompt_id: str, seed: int, temp: float, top_p: float, finished: bool,
+                prompt_id: str, seed: int, temperature: float, top_p: float, finished: bool,
                 trees: StoredTrees | None = None) -> dict[str, Any]:
     """Builds and checks one record.
 
@@ -148,7 +154,7 @@ def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_to
       target_lse, target_top: ``[T]`` the whole-vocabulary logsumexp and argmax of the logits of
         the bfloat16-rounded ``hidden`` (``TargetHead.normaliser``).
       prompt_set, prompt_id: where the prompt comes from.
-      seed, temp, top_p: the row's generation settings.
+      seed, temperature, top_p: the row's generation settings.
       finished: the response ended at a stop token.
       trees: the verified trees of an on-policy rollout.
 
@@ -176,7 +182,7 @@ def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_to
               "features": features.astype(FEATURE_DTYPE), "hidden": hidden.astype(FEATURE_DTYPE),
               "target_lse": target_lse, "target_top": target_top,
               "prompt_set": str(prompt_set), "prompt_id": str(prompt_id), "seed": int(seed),
-              "temp": float(temp), "top_p": float(top_p), "finished": bool(finished)}
+              "temp": float(temperature), "top_p": float(top_p), "finished": bool(finished)}
     if trees is not None:
         trees.check(tokens, hidden.shape[1])
         record["trees"] = trees.to_dict()

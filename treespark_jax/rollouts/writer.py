@@ -50,7 +50,7 @@ from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.sets import PromptRecord
-from treespark_jax.rollouts.records import FEATURE_DTYPE, StoredTrees, make_record
+from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, make_record
 from treespark_jax.rollouts.store import RolloutWriter
 
 __all__ = ["RolloutRun", "RolloutSettings", "prompt_seed", "record_arrays", "record_normalisers", "target_features",
@@ -66,7 +66,7 @@ class RolloutSettings:
 
     Attributes:
       max_new_tokens: cap on response tokens per prompt (the stop token counts).
-      temp: temperature (0 = greedy).
+      temperature: sampling temperature (0 = greedy).
       top_p: nucleus mass in ``(0, 1]``.
       seed: base seed (see the module docstring).
       batch_size: prompts per generation batch and per shard.
@@ -76,13 +76,20 @@ class RolloutSettings:
     """
 
     max_new_tokens: int = 256
-    temp: float = 0.0
+    temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     batch_size: int = 8
     method: str = "ar"
     budget: int | None = None
     drafter: str | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """The settings a resumed run must repeat, under the manifest's keys (``temperature`` is
+        stored as ``temp``, as in every record: ``rollouts.records``)."""
+        fields = dataclasses.asdict(self)
+        del fields["batch_size"]
+        return {STORED_KEYS.get(k, k): v for k, v in fields.items()}
 
 
 @dataclasses.dataclass
@@ -211,12 +218,12 @@ def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], starts: S
     return out
 
 
-def tree_log(log: dict[str, np.ndarray], head: TargetHead, rule: str, temp: float) -> StoredTrees:
+def tree_log(log: dict[str, np.ndarray], head: TargetHead, rule: str, temperature: float) -> StoredTrees:
     """A row's logged trees (``Session.generate_logged``) with each verify row's normaliser added."""
     hidden = np.asarray(log["node_hidden"]).astype(FEATURE_DTYPE)  # as stored
-    lse, top = target_normalisers(head, hidden.reshape(-1, hidden.shape[-1]), float(tree_temperature(rule, temp)))
+    lse, top = target_normalisers(head, hidden.reshape(-1, hidden.shape[-1]), float(tree_temperature(rule, temperature)))
     return StoredTrees(**log, node_lse=lse.reshape(hidden.shape[:2]), node_top=top.reshape(hidden.shape[:2]), rule=rule,
-                   temp=temp)
+                   temperature=temperature)
 
 
 def _check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> tuple[int, ...]:
@@ -245,7 +252,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
         (pass the drafter's ids when speculating with one).
       spec: speculative decoding settings (``None``: autoregressive). With a spec the rollout is
         on-policy: every verified tree is logged in its record (``trees: true`` in the manifest),
-        verify rule ``greedy`` at temp 0, else the tree's rule.
+        verify rule ``greedy`` at temperature 0, else the tree's rule.
       engine: the engine to generate with (default: a new one over ``target.model``).
       source: how the prompts were chosen (set or file, split, split seed, eval size), recorded
         in the manifest and compared on resume.
@@ -271,8 +278,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
     cfg = target.cfg
     layer_ids = _check_layer_ids(default_layer_ids(cfg.n_layers) if layer_ids is None else layer_ids, cfg.n_layers)
     binding = binding or TargetBinding.of(target)
-    identity = {"prompts": source or {}, "chat": True, "turns": "first",
-                **{k: v for k, v in dataclasses.asdict(settings).items() if k != "batch_size"}}
+    identity = {"prompts": source or {}, "chat": True, "turns": "first", **settings.identity()}
     tokenized = {p.id: prompt_ids(target.tokenizer, p) for p in prompts}
     for p in prompts:  # up front, so a long prompt cannot stop a run half-way
         if len(tokenized[p.id]) + settings.max_new_tokens > cfg.max_positions:
@@ -280,7 +286,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                              f"{settings.max_new_tokens}, together more than the target's context of "
                              f"{cfg.max_positions} tokens.")
     # The sampling settings too, before the directory is made: a refused run leaves nothing behind.
-    check_sampling(settings.max_new_tokens, settings.temp, settings.top_p)
+    check_sampling(settings.max_new_tokens, settings.temperature, settings.top_p)
     header = {"target": dataclasses.asdict(binding), "layer_ids": list(layer_ids), "d_model": cfg.d_model,
               "identity": identity, "trees": spec is not None}
     with RolloutWriter(out, header) as writer:  # holds the directory's lock until the last shard
@@ -290,7 +296,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
         todo = sorted((p for p in prompts if p.id not in done), key=lambda p: len(tokenized[p.id]))
         run = RolloutRun(manifest=writer.manifest, skipped=len(prompts) - len(todo))
         engine = engine or Engine(target.model, target.tokenizer.stop_ids)
-        session = None if spec is None else engine.session(spec, settings.temp == 0, log_trees=True)
+        session = None if spec is None else engine.session(spec, settings.temperature == 0, log_trees=True)
         head = TargetHead.of(target.model, target.model.dtype)
         stop_ids = set(target.tokenizer.stop_ids)
         bar = tqdm(total=len(prompts), initial=run.skipped, unit="prompt", desc="rollouts", disable=not progress)
@@ -301,13 +307,13 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                 seeds = [prompt_seed(settings.seed, p.set, p.id) for p in batch]
                 t0 = time.perf_counter()
                 if spec is None:  # the features come from the generation's own forwards
-                    outs, feats = engine.generate_features(ids, settings.max_new_tokens, layer_ids, settings.temp,
+                    outs, feats = engine.generate_features(ids, settings.max_new_tokens, layer_ids, settings.temperature,
                                                            settings.top_p, seeds)
                     trees = [None] * len(batch)
                 else:
-                    outs, _, logs = session.generate_logged(ids, settings.max_new_tokens, settings.temp,
+                    outs, _, logs = session.generate_logged(ids, settings.max_new_tokens, settings.temperature,
                                                             settings.top_p, seeds)
-                    trees = [tree_log(log, head, session.plan.rule, settings.temp) for log in logs]
+                    trees = [tree_log(log, head, session.plan.rule, settings.temperature) for log in logs]
                     feats = None
                 t1 = time.perf_counter()
                 if feats is None:  # a second pass: the speculative loop does not log every row's features
@@ -315,7 +321,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                 norms = record_normalisers(head, [h for _, h in feats], [len(p) - 1 for p in ids])
                 t2 = time.perf_counter()
                 records = [make_record(p + o, len(p), f, h, lse, top, prompt_set=rec.set, prompt_id=rec.id, seed=s,
-                                       temp=settings.temp, top_p=settings.top_p, finished=bool(o) and o[-1] in stop_ids,
+                                       temperature=settings.temperature, top_p=settings.top_p, finished=bool(o) and o[-1] in stop_ids,
                                        trees=tree)
                            for rec, p, o, (f, h), (lse, top), s, tree in zip(batch, ids, outs, feats, norms, seeds,
                                                                              trees)]

@@ -35,7 +35,7 @@ class TreeBatch:
       node_lse: ``[B, Tr, N + 1]`` float32 whole-vocabulary logsumexp per verify row at the rule's
         temperature (``rollouts.records``).
       node_top: ``[B, Tr, N + 1]`` int32 the target's argmax token per verify row.
-      temp: ``[B, Tr]`` float32 temperature the tree was verified at.
+      temperature: ``[B, Tr]`` float32 temperature the tree was verified at.
     """
 
     anchor_pos: Int[Array, "B Tr"]
@@ -48,7 +48,7 @@ class TreeBatch:
     node_hidden: Float[Array, "B Tr N+1 D"]
     node_lse: Float[Array, "B Tr N+1"]
     node_top: Int[Array, "B Tr N+1"]
-    temp: Float[Array, "B Tr"]
+    temperature: Float[Array, "B Tr"]
 
 
 @struct.dataclass
@@ -109,7 +109,7 @@ def _tree_rows(trees: dict[str, Any], length: int, n_trees: int, rng: np.random.
     rows.update(anchor_pos=take("anchor_pos", np.int32, -1), valid=take("valid", bool),
                 accepted=take("accepted", bool), node_hidden=take("node_hidden", np.float32),
                 node_lse=take("node_lse", np.float32), node_top=take("node_top", np.int32),
-                temp=np.full((n_trees,), float(trees["temp"]), np.float32))
+                temperature=np.full((n_trees,), float(trees["temp"]), np.float32))
     return rows
 
 
@@ -165,7 +165,7 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
                      valid=np.zeros((n_trees, budget), bool), accepted=np.zeros((n_trees, budget), bool),
                      node_hidden=np.zeros((n_trees, budget + 1, d), np.float32),
                      node_lse=np.zeros((n_trees, budget + 1), np.float32), node_top=np.zeros((n_trees, budget + 1), np.int32),
-                     temp=np.zeros((n_trees,), np.float32))
+                     temperature=np.zeros((n_trees,), np.float32))
         rows = [r if r is not None else empty for r in tree_rows]
         trees = TreeBatch(**{k: np.stack([r[k] for r in rows]) for k in empty})
     return TrainBatch(**out, trees=trees)

@@ -2,9 +2,9 @@
 
 - Expected chain τ: ``1 + Σ_j Π_{i≤j} α_i`` with ``α_j = 1 − ½‖q_j − p_t‖₁`` from the rollout's
   target rows (``losses.expected_chain_tau``), the τ of a chain verified by rejection sampling.
-- Tree τ (greedy rollouts, temp 0): ``1 +`` the longest prefix of the gold continuation that the
+- Tree τ (greedy rollouts, temperature 0): ``1 +`` the longest prefix of the gold continuation that the
   builder's tree contains, i.e. the τ greedy verification of that tree would give, because the
-  gold tokens of a temp-0 rollout are the target's argmax tokens.
+  gold tokens of a temperature-0 rollout are the target's argmax tokens.
 
 - Edge calibration (greedy rollouts): for every node whose parent is on the gold path (the
   anchor, or an accepted node), the survival probability the builder gave its edge,
@@ -150,7 +150,7 @@ def evaluate_drafter(drafter: BlockDrafter, head: TargetHead, batches: Iterable[
       head: the target's frozen embedding and LM head.
       batches: ``TrainBatch`` es (gold-chain anchors only; trees are not used).
       tree: builder settings for the tree τ (``None``: chain metrics only). Meaningful for
-        greedy (temp 0) rollouts only.
+        greedy (temperature 0) rollouts only.
 
     Returns:
       ``{"blocks", "chain_tau", "tree_tau" (None without a tree), "alpha" [P] list,

@@ -64,7 +64,7 @@ def _logged_trees(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, bat
                                 terms[0], terms[1], columns)
     target = cols.logits(_flat(t.node_hidden).astype(logits.dtype))  # [Tr, N + 1, K]
     logged = LoggedTrees(tree=tree, accepted=_flat(t.accepted) & tree.valid, target_logits=target,
-                         temp=_flat(t.temp), columns=columns)
+                         temperature=_flat(t.temperature), columns=columns)
     if cols.vocab_ids is not None:  # the argmax and the normaliser over the whole vocabulary, as stored
         logged = logged.replace(top_columns=cols.columns(_flat(t.node_top)), target_lse=_flat(t.node_lse))
     return logged, child_logits, edge

@@ -19,7 +19,7 @@ __all__ = ["Acceptance", "accept"]
 
 
 def accept(tree: DraftTree, logits: Float[Array, "B T V"], *, rule: VerifyRule, max_depth: int,
-           keys: PRNGKeyArray | None = None, temp: Float[Array, "B"] | None = None,
+           keys: PRNGKeyArray | None = None, temperature: Float[Array, "B"] | None = None,
            top_p: Float[Array, "B"] | None = None, proposal: Proposal | None = None,
            anchor: Int[Array, "B"] | None = None, branch: int | None = None) -> Acceptance:
     """Accepts the longest drafted path the target agrees with, plus one bonus token per row.
@@ -35,7 +35,7 @@ def accept(tree: DraftTree, logits: Float[Array, "B T V"], *, rule: VerifyRule, 
       max_depth: depth limit of the tree (``TreeConfig.max_depth``).
       keys: ``[B]`` per-row PRNG keys already folded by request seed and round (sampling rules);
         the rules fold in ``streams.STREAM_ACCEPT`` and ``streams.STREAM_RESIDUAL``.
-      temp, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass (sampling rules).
+      temperature, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass (sampling rules).
       proposal: the round's Proposal (rejection only).
       anchor: ``[B]`` int32 anchor tokens (rejection only: the Markov parent of depth-1 children).
       branch: most children per node (rejection only): children of sibling rank ≥ ``branch``
@@ -47,7 +47,7 @@ def accept(tree: DraftTree, logits: Float[Array, "B T V"], *, rule: VerifyRule, 
 
     Raises:
       ValueError: if ``logits`` is not ``[B, N + 1, V]`` for the tree's ``[B, N]``; if ``rule`` is
-        unknown; if a sampling rule lacks ``keys``/``temp``/``top_p``; if the rejection rule lacks
+        unknown; if a sampling rule lacks ``keys``/``temperature``/``top_p``; if the rejection rule lacks
         the Proposal or anchor, or has a Proposal shallower than ``max_depth``.
     """
     batch, budget = tree.tokens.shape
@@ -57,13 +57,13 @@ def accept(tree: DraftTree, logits: Float[Array, "B T V"], *, rule: VerifyRule, 
     rule = parse_enum(VerifyRule, rule, "verify rule")
     if rule is VerifyRule.GREEDY:
         return accept_greedy(tree, logits, max_depth)
-    if keys is None or temp is None or top_p is None:
-        raise ValueError("sampled verification needs per-row keys, temp and top_p.")
+    if keys is None or temperature is None or top_p is None:
+        raise ValueError("sampled verification needs per-row keys, temperature and top_p.")
     if rule is VerifyRule.MATCH:
-        return accept_match(tree, logits, keys, temp, top_p, max_depth)
+        return accept_match(tree, logits, keys, temperature, top_p, max_depth)
     if proposal is None or anchor is None:
         raise ValueError("the rejection rule needs the round's Proposal and anchor tokens.")
     if proposal.block_size < max_depth:
         raise ValueError(f"max_depth={max_depth} exceeds the Proposal's block size "
                          f"{proposal.block_size}.")
-    return accept_rejection(tree, logits, keys, temp, top_p, proposal, anchor, max_depth, branch)
+    return accept_rejection(tree, logits, keys, temperature, top_p, proposal, anchor, max_depth, branch)

@@ -42,7 +42,7 @@ def match_node_probs(tree: DraftTree, target: Float[Array, "B V"], children: Boo
 
 
 def accept_match(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyArray,
-                 temp: Float[Array, "B"], top_p: Float[Array, "B"], max_depth: int) -> Acceptance:
+                 temperature: Float[Array, "B"], top_p: Float[Array, "B"], max_depth: int) -> Acceptance:
     """Match-rule verification of any draft tree.
 
     Walks from the anchor in a fixed ``max_depth + 1``-step loop; at each node the target's own
@@ -54,12 +54,12 @@ def accept_match(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyAr
       logits: ``[B, N + 1, V]`` float verification logits (row 0 = anchor, row ``i + 1`` = node ``i``).
       keys: ``[B]`` per-row PRNG keys already folded by request seed and round; the rule folds
         in ``STREAM_ACCEPT`` (which child) and ``STREAM_RESIDUAL`` (the bonus) itself.
-      temp, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass.
+      temperature, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass.
       max_depth: static depth limit of the tree.
 
     Returns:
       The rows' ``Acceptance``.
     """
-    return sampled_walk(tree, logits, keys, temp, top_p, max_depth,
+    return sampled_walk(tree, logits, keys, temperature, top_p, max_depth,
                         lambda node, target, children: match_node_probs(tree, target, children))
 

@@ -106,7 +106,7 @@ def node_rejection(target: Float[Array, "... S"], q: Float[Array, "... S"], chil
 
 def rejection_node_probs(tree: DraftTree, proposal: Proposal, anchor: Int[Array, "B"],
                          target: Float[Array, "B V"], node: Int[Array, "B"], children: Bool[Array, "B N"],
-                         temp: Float[Array, "B"], top_p: Float[Array, "B"], branch: int
+                         temperature: Float[Array, "B"], top_p: Float[Array, "B"], branch: int
                          ) -> tuple[Float[Array, "B N"], Float[Array, "B V"]]:
     """Exact decision distribution of recursive rejection at one node.
 
@@ -114,14 +114,14 @@ def rejection_node_probs(tree: DraftTree, proposal: Proposal, anchor: Int[Array,
       tree: ``[B, N]`` draft trees with sampled children (``pool_index`` and ``sibling_rank``
         as drawn by the builder).
       proposal: the round's Proposal; the children's draft distribution is
-        ``exp(processed_logprobs(child_logits(proposal, depth, parent_token), temp, top_p))``,
+        ``exp(processed_logprobs(child_logits(proposal, depth, parent_token), temperature, top_p))``,
         computed in the proposal's dtype, then cast to ``target``'s. The candidate ids of a
         depth (finite ``pool_logits``) must be distinct, as a top-``M`` pool is.
       anchor: ``[B]`` int32 anchor token (the parent token of depth-1 children).
       target: ``[B, V]`` float processed target probabilities of the node's row.
       node: ``[B]`` int32 the node (``-1`` = anchor).
       children: ``[B, N]`` bool, the node's valid children.
-      temp, top_p: ``[B]`` float per-row settings, the same as the draft's.
+      temperature, top_p: ``[B]`` float per-row settings, the same as the draft's.
       branch: static; siblings of draw rank ≥ ``branch`` are ignored (still exact, as if the
         builder had stopped there).
 
@@ -140,7 +140,7 @@ def rejection_node_probs(tree: DraftTree, proposal: Proposal, anchor: Int[Array,
     q_logits = child_logits(proposal, depth, parent_token[:, None])[:, 0]  # [B, M]
     candidate = jnp.isfinite(q_logits)
     # A pool without candidates normalises to NaN; its node has no children, so q is moot there.
-    q = jnp.where(candidate, jnp.exp(processed_logprobs(q_logits, temp, top_p)), 0).astype(target.dtype)
+    q = jnp.where(candidate, jnp.exp(processed_logprobs(q_logits, temperature, top_p)), 0).astype(target.dtype)
     ids = child_pool_ids(proposal, depth)[:, 0]
     in_pool = jax.vmap(lambda i, c: jnp.zeros(vocab, jnp.int32).at[i].add(c))(
         ids, candidate.astype(jnp.int32)) > 0
@@ -166,7 +166,7 @@ def rejection_node_probs(tree: DraftTree, proposal: Proposal, anchor: Int[Array,
 
 
 def accept_rejection(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyArray,
-                     temp: Float[Array, "B"], top_p: Float[Array, "B"], proposal: Proposal,
+                     temperature: Float[Array, "B"], top_p: Float[Array, "B"], proposal: Proposal,
                      anchor: Int[Array, "B"], max_depth: int, branch: int | None = None) -> Acceptance:
     """Recursive-rejection verification of a tree whose children were sampled from the Proposal.
 
@@ -180,7 +180,7 @@ def accept_rejection(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGK
       keys: ``[B]`` per-row PRNG keys already folded by request seed and round; the rule folds in
         ``STREAM_ACCEPT`` (acceptance tests) and ``STREAM_RESIDUAL`` (the bonus) itself. The
         builder must draw with ``STREAM_DRAFT`` folded into the same keys.
-      temp, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass, shared by target
+      temperature, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass, shared by target
         and draft.
       proposal: the round's Proposal (``block_size ≥ max_depth``).
       anchor: ``[B]`` int32 anchor tokens.
@@ -195,6 +195,6 @@ def accept_rejection(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGK
     k = tree.budget if branch is None else min(branch, tree.budget)
 
     def node_probs(node, target, children):
-        return rejection_node_probs(tree, proposal, anchor, target, node, children, temp, top_p, k)
+        return rejection_node_probs(tree, proposal, anchor, target, node, children, temperature, top_p, k)
 
-    return sampled_walk(tree, logits, keys, temp, top_p, max_depth, node_probs)
+    return sampled_walk(tree, logits, keys, temperature, top_p, max_depth, node_probs)

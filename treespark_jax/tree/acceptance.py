@@ -70,7 +70,7 @@ def children_of(tree: DraftTree, node: Int[Array, "B"], max_depth: int) -> Bool[
 
 
 def sampled_walk(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyArray,
-                 temp: Float[Array, "B"], top_p: Float[Array, "B"], max_depth: int,
+                 temperature: Float[Array, "B"], top_p: Float[Array, "B"], max_depth: int,
                  node_probs: NodeProbs) -> Acceptance:
     """Walks every row from the anchor down the tree, one depth per step, drawing each decision.
 
@@ -88,7 +88,7 @@ def sampled_walk(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyAr
       keys: ``[B]`` per-row PRNG keys for this round. The decision at depth ``t`` uses
         ``uniform(fold_in(fold_in(key, STREAM_ACCEPT), t))``; the bonus uses
         ``fold_in(key, STREAM_RESIDUAL)``.
-      temp, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass.
+      temperature, top_p: ``[B]`` float per-row temperature ``> 0`` and nucleus mass.
       max_depth: static deepest node depth considered.
       node_probs: the rule's kernel ``(node [B], target [B, V], children [B, N] bool) ->
         (child_prob [B, N], bonus_prob [B, V])``: the probability of descending into each
@@ -106,7 +106,7 @@ def sampled_walk(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyAr
     def advance(t, carry):
         node, done, path, stop_prob = carry
         row_logits = jnp.take_along_axis(logits, (node + 1)[:, None, None], axis=1)[:, 0].astype(dtype)
-        target = jnp.exp(processed_logprobs(row_logits, temp, top_p))
+        target = jnp.exp(processed_logprobs(row_logits, temperature, top_p))
         child_prob, bonus_prob = node_probs(node, target, children_of(tree, node, max_depth))
         u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, t), dtype=dtype))(accept_keys)
         # Invert the decision's CDF over children in slot order; mass beyond it means "stop".

@@ -24,7 +24,7 @@ from treespark_jax.typing import Array, Float, Int
 
 
 def best_first(proposal: Proposal, anchor_token: Int[Array, "B"], *, budget: int, max_depth: int,
-               branch: int, builder: Builder, temp: Float[Array, "B"], top_p: Float[Array, "B"],
+               branch: int, builder: Builder, temperature: Float[Array, "B"], top_p: Float[Array, "B"],
                gumbel: Float[Array, "B N M"] | None) -> DraftTree:
     """Builds ``[B, N]`` draft trees by best-first admission (traceable; see ``build_tree``).
 
@@ -35,7 +35,7 @@ def best_first(proposal: Proposal, anchor_token: Int[Array, "B"], *, budget: int
       max_depth: static deepest depth.
       branch: static most children per node.
       builder: static ``Builder``: the survival model (``tree/children.py``).
-      temp, top_p: ``[B]`` float per-row settings.
+      temperature, top_p: ``[B]`` float per-row settings.
       gumbel: ``[B, N, M]`` float standard Gumbel noise, row ``n`` reserved for the children of the
         node expanded ``n``-th (0 = the anchor, ``n ≥ 1`` = tree node ``n − 1``), or ``None`` for
         deterministic children.
@@ -47,7 +47,7 @@ def best_first(proposal: Proposal, anchor_token: Int[Array, "B"], *, budget: int
     n, k = budget, min(branch, m)
     dtype = jnp.result_type(proposal.pool_logits.dtype, jnp.float32)
     neg_inf = jnp.array(-jnp.inf, dtype)
-    survival = survival_model(proposal, builder, temp, top_p)
+    survival = survival_model(proposal, builder, temperature, top_p)
     slot_ids = jnp.arange(n + 1)
     rows = jnp.arange(b)
 
@@ -73,7 +73,7 @@ def best_first(proposal: Proposal, anchor_token: Int[Array, "B"], *, budget: int
         depth_i, score_i = s["depth"][:, i], s["score"][:, i]
         noise = None if gumbel is None else gumbel[:, i]
         kids, priority = offer_children(proposal, survival, jnp.minimum(depth_i + 1, p), s["token"][:, i],
-                                        score_i, temp, top_p, branch, noise)
+                                        score_i, temperature, top_p, branch, noise)
         expandable = jnp.isfinite(score_i) & (depth_i < max_depth)
         priority = jnp.where(expandable[:, None], priority, neg_inf)
         s = dict(s)

@@ -51,7 +51,7 @@ def draft_gumbel(keys: PRNGKeyArray, budget: int, pool_size: int, dtype) -> Floa
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rule"))
 def build_tree(proposal: Proposal, anchor_token: Int[Array, "B"], cfg: TreeConfig, *, rule: VerifyRule,
-               temp: Float[Array, "B"] | float = 1.0, top_p: Float[Array, "B"] | float = 1.0,
+               temperature: Float[Array, "B"] | float = 1.0, top_p: Float[Array, "B"] | float = 1.0,
                keys: PRNGKeyArray | None = None) -> DraftTree:
     """Builds the round's draft trees: exactly ``cfg.budget`` node slots per row, in admission order.
 
@@ -72,14 +72,14 @@ def build_tree(proposal: Proposal, anchor_token: Int[Array, "B"], cfg: TreeConfi
     ``sibling_rank`` = draw order, and a child slot's admission depends only on its parent, its
     rank and the earlier draws (see ``tree/children.py``), as recursive rejection requires. The
     greedy rule ranks and scores children under the draft distribution at temperature 1 without a
-    nucleus (``temp`` and ``top_p`` are not read).
+    nucleus (``temperature`` and ``top_p`` are not read).
 
     Args:
       proposal: the round's Proposal (``pool_ids [B, P, M]``).
       anchor_token: ``[B]`` int32 last committed token of each row (parent of depth-1 nodes).
       cfg: static ``TreeConfig`` (``budget`` N, ``max_depth``, ``branch``, ``builder``).
       rule: static ``VerifyRule`` the tree will be verified with (``RoundPlan.rule``).
-      temp: ``[B]`` float (or a scalar for every row) temperature ``> 0`` (sampling rules).
+      temperature: ``[B]`` float (or a scalar for every row) temperature ``> 0`` (sampling rules).
       top_p: ``[B]`` float (or scalar) nucleus mass in ``(0, 1]``, shared with the target.
       keys: ``[B]`` per-row PRNG keys, the same the acceptance rule receives (the builder folds
         in ``STREAM_DRAFT``); required by the rejection rule.
@@ -100,9 +100,9 @@ def build_tree(proposal: Proposal, anchor_token: Int[Array, "B"], cfg: TreeConfi
         raise ValueError("the rejection rule draws children at random and needs per-row keys.")
     dtype = jnp.result_type(proposal.pool_logits.dtype, jnp.float32)
     if rule is VerifyRule.GREEDY:
-        temp, top_p = 1.0, 1.0
-    temp = jnp.broadcast_to(jnp.asarray(temp, dtype), (b,))
+        temperature, top_p = 1.0, 1.0
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, dtype), (b,))
     top_p = jnp.broadcast_to(jnp.asarray(top_p, dtype), (b,))
     gumbel = draft_gumbel(keys, cfg.budget, m, dtype) if sample else None
     return best_first(proposal, anchor_token, budget=cfg.budget, max_depth=cfg.max_depth, branch=cfg.branch,
-                      builder=cfg.builder, temp=temp, top_p=top_p, gumbel=gumbel)
+                      builder=cfg.builder, temperature=temperature, top_p=top_p, gumbel=gumbel)

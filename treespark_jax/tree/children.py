@@ -12,10 +12,10 @@ Every best-first builder (DESIGN.md §1.2) is the same search with a different *
   (DDTree, whose best-first search over these products is optimal for the top-``N`` prefixes).
 - ``treespark``: ``s = σ(edge logit)``, the calibrated edge head, renormalised so a node's
   survivals sum to at most 1 over its whole pool: at most one child of a node is ever accepted,
-  under every verify rule, so the events are exclusive (DESIGN.md asks for it at ``temp = 0``;
+  under every verify rule, so the events are exclusive (DESIGN.md asks for it at ``temperature = 0``;
   a calibrated head already satisfies it, so it only guards against an uncalibrated one).
 
-``q`` is always ``processed_logprobs(child_logits(...), temp, top_p)`` (for the greedy rule at
+``q`` is always ``processed_logprobs(child_logits(...), temperature, top_p)`` (for the greedy rule at
 temperature 1 without a nucleus), i.e. exactly the law the recursive-rejection verifier
 recomputes; tokens outside its support are never offered.
 
@@ -50,41 +50,41 @@ from treespark_jax.tree.proposal import Proposal, child_logits, confidence_logit
 from treespark_jax.typing import Array, Float, Int
 
 
-def pool_logprobs(logits: Float[Array, "... M"], temp: Float[Array, "..."], top_p: Float[Array, "..."]
+def pool_logprobs(logits: Float[Array, "... M"], temperature: Float[Array, "..."], top_p: Float[Array, "..."]
                   ) -> Float[Array, "... M"]:
     """``processed_logprobs`` of a pool's logits, ``-inf`` outside its candidates.
 
     Args:
       logits: ``[..., M]`` float logits (``-inf`` for non-candidates).
-      temp: ``[...]`` float temperature ``> 0`` (``build_tree`` passes 1 for the greedy rule).
+      temperature: ``[...]`` float temperature ``> 0`` (``build_tree`` passes 1 for the greedy rule).
       top_p: ``[...]`` float nucleus mass.
 
     Returns:
       ``[..., M]`` float log-probabilities, ``-inf`` outside the support.
     """
-    logp = processed_logprobs(logits, temp, top_p)
+    logp = processed_logprobs(logits, temperature, top_p)
     # A pool with no candidate normalises to NaN; it offers nothing.
     return jnp.where(jnp.isfinite(logits), logp, -jnp.inf)
 
 
 def draft_logprobs(proposal: Proposal, depth: Int[Array, "B"], parent_token: Int[Array, "B"],
-                   temp: Float[Array, "B"], top_p: Float[Array, "B"]) -> Float[Array, "B M"]:
+                   temperature: Float[Array, "B"], top_p: Float[Array, "B"]) -> Float[Array, "B M"]:
     """``log q``: the draft distribution over the pool for one child set per row.
 
     Args:
       proposal: the round's Proposal.
       depth: ``[B]`` int32 depth of the children (``1..P``).
       parent_token: ``[B]`` int32 token of their parent (the anchor for depth 1).
-      temp: ``[B]`` float temperature ``> 0``.
+      temperature: ``[B]`` float temperature ``> 0``.
       top_p: ``[B]`` float nucleus mass.
 
     Returns:
       ``[B, M]`` float log-probabilities in the proposal's dtype, ``-inf`` outside the support:
       exactly what the recursive-rejection verifier recomputes,
-      ``processed_logprobs(child_logits(...), temp, top_p)``.
+      ``processed_logprobs(child_logits(...), temperature, top_p)``.
     """
     logits = child_logits(proposal, depth[:, None], parent_token[:, None])[:, 0]
-    return pool_logprobs(logits, temp, top_p)
+    return pool_logprobs(logits, temperature, top_p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ class SurvivalModel:
     rank_by_q: bool = False
 
 
-def survival_model(proposal: Proposal, builder: Builder, temp: Float[Array, "B"], top_p: Float[Array, "B"]
+def survival_model(proposal: Proposal, builder: Builder, temperature: Float[Array, "B"], top_p: Float[Array, "B"]
                    ) -> SurvivalModel:
     """The survival model of ``builder`` for this round's proposal (traceable; ``builder`` static).
 
@@ -122,7 +122,7 @@ def survival_model(proposal: Proposal, builder: Builder, temp: Float[Array, "B"]
         return SurvivalModel(lambda depth, parent, logq: logq)
     if builder is Builder.MARGINAL:
         shape = proposal.pool_logits.shape[:2]
-        marginals = pool_logprobs(proposal.pool_logits, jnp.broadcast_to(temp[:, None], shape),
+        marginals = pool_logprobs(proposal.pool_logits, jnp.broadcast_to(temperature[:, None], shape),
                                   jnp.broadcast_to(top_p[:, None], shape))  # [B, P, M]
 
         def marginal(depth, parent, logq):
@@ -170,7 +170,7 @@ def sampled_slot_log_survival(logq: Float[Array, "B M"], log_s: Float[Array, "B 
 
 
 def offer_children(proposal: Proposal, survival: SurvivalModel, depth: Int[Array, "B"],
-                   parent_token: Int[Array, "B"], parent_score: Float[Array, "B"], temp: Float[Array, "B"],
+                   parent_token: Int[Array, "B"], parent_score: Float[Array, "B"], temperature: Float[Array, "B"],
                    top_p: Float[Array, "B"], branch: int, gumbel: Float[Array, "B M"] | None
                    ) -> tuple[Int[Array, "B K"], Float[Array, "B K"]]:
     """The ``K = min(branch, M)`` child slots of one node per row, in sibling order.
@@ -181,7 +181,7 @@ def offer_children(proposal: Proposal, survival: SurvivalModel, depth: Int[Array
       depth: ``[B]`` int32 depth of the children (``1..P``).
       parent_token: ``[B]`` int32 token of the node being expanded.
       parent_score: ``[B]`` float its score (log survival; 0 for the anchor).
-      temp, top_p: ``[B]`` float per-row settings.
+      temperature, top_p: ``[B]`` float per-row settings.
       branch: static most children per node.
       gumbel: ``[B, M]`` float standard Gumbel noise reserved for this node, or ``None`` for
         deterministic children.
@@ -193,7 +193,7 @@ def offer_children(proposal: Proposal, survival: SurvivalModel, depth: Int[Array
       non-increasing in ``k``. Deterministic children are the top ``K`` by ``s`` (by ``q`` for a
       chain).
     """
-    logq = draft_logprobs(proposal, depth, parent_token, temp, top_p)
+    logq = draft_logprobs(proposal, depth, parent_token, temperature, top_p)
     log_s = survival.log_survival(depth, parent_token, logq)
     k = min(branch, logq.shape[-1])
     if gumbel is None:
