@@ -16,7 +16,7 @@ change the cost, so the records are the target's features of random token sequen
 draft vocabulary is the first ``K`` ids. Steps of the two variants alternate, medians reported.
 
 Usage:
-  python experiments/bench_train.py [--preset smollm2-135m] [--loss dspark] [--batch 4]
+  python experiments/bench_train.py [--preset smollm2-135m] [--loss dspark] [--batch-size 4]
       [--seq-len 512] [--anchors 16] [--draft-vocab 8192] [--steps 5] [--matmul 2048]
       [--json-out experiments/results/bench_train.json]
 """
@@ -71,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="smollm2-135m")
     parser.add_argument("--loss", default="dspark", choices=("dflash", "dspark"))
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--anchors", type=int, default=16)
     parser.add_argument("--draft-vocab", type=int, default=8192, help="K of the draft-vocabulary step")
@@ -83,13 +83,13 @@ def main() -> None:
     target = load_target(args.preset)
     drafter = BlockDrafter(drafter_config(args.loss, target.cfg), target.cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
-    seqs = [rng.integers(0, target.cfg.vocab_size, args.seq_len).tolist() for _ in range(args.batch)]
+    seqs = [rng.integers(0, target.cfg.vocab_size, args.seq_len).tolist() for _ in range(args.batch_size)]
     records = [make_record(s, args.seq_len // 4, *f, prompt_set="random", prompt_id=str(i), seed=0, temperature=0.0,
                            top_p=1.0, finished=False)
-               for i, (s, f) in enumerate(zip(seqs, record_arrays(target.model, seqs, [args.seq_len // 4] * args.batch,
+               for i, (s, f) in enumerate(zip(seqs, record_arrays(target.model, seqs, [args.seq_len // 4] * args.batch_size,
                                                                   drafter.cfg.target_layer_ids)))]
     batch = jax.tree.map(jnp.asarray, batch_from_records(records, seq_len=args.seq_len, n_anchors=args.anchors, rng=rng))
-    cfg = TrainConfig(steps=1000, batch=args.batch, seq_len=args.seq_len, anchors=args.anchors)
+    cfg = TrainConfig(steps=1000, batch=args.batch_size, seq_len=args.seq_len, anchors=args.anchors)
     tx = make_optimizer(cfg)
     graphdef, state0 = init_state(drafter, tx)
     head = TargetHead.of(target.model, drafter.dtype)
@@ -117,14 +117,14 @@ def main() -> None:
         step_s, flops = statistics.median(run["times"]), compiled_flops(run["compiled"])
         rows.append({"variant": name, "step_s": step_s,
                      "step_s_iqr": float(np.subtract(*np.percentile(run["times"], [75, 25]))),
-                     "sequence_tokens_per_s": args.batch * args.seq_len / step_s, "block_slots_per_s": slots / step_s,
+                     "sequence_tokens_per_s": args.batch_size * args.seq_len / step_s, "block_slots_per_s": slots / step_s,
                      "step_gflop": flops / 1e9, "achieved_gflop_per_s": flops / step_s / 1e9,
                      "fraction_of_peak": flops / step_s / peak})
     base = rows[0]
     for row in rows:
         row["speedup"] = base["step_s"] / row["step_s"]
         row["flop_ratio"] = base["step_gflop"] / row["step_gflop"] if row["step_gflop"] else None
-    print(f"{args.preset} {args.loss} drafter, batch {args.batch} × {args.seq_len} tokens, {args.anchors} anchors "
+    print(f"{args.preset} {args.loss} drafter, batch {args.batch_size} × {args.seq_len} tokens, {args.anchors} anchors "
           f"× γ {drafter.cfg.block_size}, on {jax.devices()[0].device_kind}; {args.steps} interleaved steps each, "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.matmul}²)")
     print(f"{'variant':<24} {'step ms':>8} {'IQR':>5} {'GFLOP':>7} {'GFLOP/s':>8} {'peak':>5} {'tokens/s':>9} {'speedup':>8}")
@@ -132,7 +132,7 @@ def main() -> None:
         print(f"{r['variant']:<24} {1e3 * r['step_s']:8.0f} {1e3 * r['step_s_iqr']:5.0f} {r['step_gflop']:7.1f} "
               f"{r['achieved_gflop_per_s']:8.1f} {100 * r['fraction_of_peak']:4.0f}% {r['sequence_tokens_per_s']:9.0f} "
               f"{r['speedup']:7.2f}×")
-    out = {"preset": args.preset, "loss": args.loss, "batch": args.batch, "seq_len": args.seq_len,
+    out = {"preset": args.preset, "loss": args.loss, "batch": args.batch_size, "seq_len": args.seq_len,
            "anchors": args.anchors, "block_size": drafter.cfg.block_size, "draft_vocab": args.draft_vocab,
            "steps": args.steps, "matmul_peak_gflop_per_s": peak / 1e9, "device": jax.devices()[0].device_kind,
            "rows": rows}

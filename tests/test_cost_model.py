@@ -315,8 +315,8 @@ def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
     (["--contexts", "256,64"], "strictly ascending"),
     (["--budget", "0"], "budget=0 must be between 1 and 1024"),
     (["--repeats", "0"], "repeats=0 must be at least 1"),
-    (["--out", "/nonexistent-folder/x.json"], "--out /nonexistent-folder/x.json: its folder does not exist"),
-    (["--out", "."], "--out . is a directory; give a file path"),
+    (["--json-out", "/nonexistent-folder/x.json"], "--json-out /nonexistent-folder/x.json: its folder does not exist"),
+    (["--json-out", "."], "--json-out . is a directory; give a file path"),
 ])
 def test_profile_bad_input_is_one_sentence_and_exit_2(capsys, flags, message):
     assert main(["profile"] + flags) == 2

@@ -343,7 +343,7 @@ TWO_HOST_SCRIPT = textwrap.dedent("""
     hf, rollouts, out, mesh_arg = sys.argv[1:5]
     # `treespark train` itself: it starts the distributed runtime from JAX_COORDINATOR_ADDRESS & co.
     assert main(["train", "--target", hf, "--rollouts", rollouts, "--loss", "dspark", "--out", out + "/run",
-                 "--steps", "3", "--batch", "8", "--seq-len", "40", "--anchors", "3", "--block-size", "4",
+                 "--steps", "3", "--batch-size", "8", "--seq-len", "40", "--anchors", "3", "--block-size", "4",
                  "--lr", "3e-3", "--warmup", "1", "--log-every", "1", "--save-every", "2", "--quiet",
                  "--mesh", mesh_arg]) == 0
     # Gradients and SGD steps of the same global batches on the same mesh.

@@ -269,7 +269,6 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
     cases = [
         (["--rollouts", other, "--loss", "dspark", "--target", tiny_dir], ("target", "sha256")),
         (["--rollouts", empty, "--loss", "dspark"], ("empty",)),
-        (["--rollouts", rollouts, "--loss", "eagle"], ("eagle", "dflash, dspark, treespark")),
         (["--rollouts", rollouts, "--loss", "treespark"], ("treespark", "trees")),
         (["--rollouts", rollouts, "--loss", "dspark", "--mesh", "data=2"], ("data=2",)),
         (["--rollouts", rollouts, "--loss", "dspark", "--seq-len", str(shortest)],
@@ -282,7 +281,11 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
     ]
     for args, words in cases:
         _assert_clean_error(capsys, main(_cli(*args, *base)), out, *words)
-    for flag in ("--steps", "--batch"):
+    with pytest.raises(SystemExit) as refused:  # --loss has choices: argparse names them
+        main(_cli("--rollouts", rollouts, "--loss", "eagle", *base))
+    assert refused.value.code == 2
+    assert "invalid choice: 'eagle' (choose from 'dflash', 'dspark', 'treespark')" in capsys.readouterr().err
+    for flag in ("--steps", "--batch-size"):
         for value in ("0", "-2"):
             rc = main(_cli("--rollouts", rollouts, "--loss", "dspark", *base, flag, value))
             _assert_clean_error(capsys, rc, out, f"{flag} {value}", "at least 1")
