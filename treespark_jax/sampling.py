@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from treespark_jax.typing import Array, Float, Int, PRNGKeyArray
+from treespark_jax.typing import Array, Float, Int, Key
 
 
 def processed_logprobs(logits: Float[Array, "... V"], temperature: Float[Array, "..."] | float,
@@ -47,7 +47,7 @@ def _nucleus(logp: Float[Array, "... V"], top_p: Float[Array, "..."]) -> Float[A
     return jax.nn.log_softmax(kept, axis=-1)
 
 
-def sample_token(keys: PRNGKeyArray, logits: Float[Array, "B V"], temperature: Float[Array, "B"],
+def sample_token(keys: Key[Array, "B"], logits: Float[Array, "B V"], temperature: Float[Array, "B"],
                  top_p: Float[Array, "B"], greedy: bool) -> Int[Array, "B"]:
     """Draws one token per row: argmax when ``greedy`` (static), else from ``processed_logprobs``.
 

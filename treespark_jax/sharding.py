@@ -1,7 +1,7 @@
 """Partition rules: which mesh axis every dimension lives on (DESIGN.md §2; meshes: ``mesh.py``).
 
-Every rule is stated once, per dimension letter of the shape legend
-(``typing.py``), in :data:`RULES`:
+Every rule is stated once, per dimension of the shape legend (``typing.DIMENSIONS``, one name
+per dimension), in :data:`RULES`:
 
 =========  ========  ==================================================================
 dimension  axis      arrays
@@ -41,15 +41,20 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from treespark_jax.config import ModelConfig
 from treespark_jax.mesh import DATA, MODEL, replicated
 
 __all__ = ["RULES", "WEIGHT_DIMS", "Partitioner"]
 
-RULES: dict[str, str] = {"B": DATA, "H": MODEL, "K": MODEL, "F": MODEL}
-"""Dimension letter → mesh axis; every dimension not listed is replicated."""
+RULES: dict[str, str] = {
+    "B": DATA,  # batch rows
+    "H": MODEL,  # query heads
+    "K": MODEL,  # key/value heads
+    "F": MODEL,  # MLP width
+}
+"""Dimension name (``typing.DIMENSIONS``) → mesh axis; every dimension not listed is replicated."""
 
 WEIGHT_DIMS: dict[str, str] = {
     "embed": "V D", "lm_head": "D V", "final_norm": "D",
@@ -103,11 +108,11 @@ class Partitioner:
         ``H*E``), as ``(letter, size)`` pairs; build it with :meth:`for_model`.
     """
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh
     sizes: tuple[tuple[str, int], ...] = ()
 
     @classmethod
-    def for_model(cls, mesh: Mesh, cfg: ModelConfig) -> "Partitioner":
+    def for_model(cls, mesh: Mesh | AbstractMesh, cfg: ModelConfig) -> "Partitioner":
         """The rules for ``cfg``'s target, its drafters, caches and optimizer state on ``mesh``."""
         return cls(mesh, (("H", cfg.n_heads), ("K", cfg.n_kv_heads), ("E", cfg.head_dim), ("F", cfg.mlp_dim),
                           ("D", cfg.d_model), ("V", cfg.vocab_size)))
@@ -156,11 +161,11 @@ class Partitioner:
             return None
         if _is_array(node):
             return self.sharding(dims if dims is not None else _weight_dims(name), node.shape)
-        if _is_struct(node):
+        if _is_struct(node):  # rebuilt by its pytree registration: the fields hold shardings, not arrays
             field_dims = _field_dims(type(node))
-            children = {f.name: self._walk(getattr(node, f.name), field_dims.get(f.name), f.name)
-                        for f in dataclasses.fields(node) if f.metadata.get("pytree_node", True)}
-            return dataclasses.replace(node, **children)
+            fields, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+            names = [path[0].name for path, _ in fields]
+            return treedef.unflatten([self._walk(child, field_dims.get(n), n) for n, (_, child) in zip(names, fields)])
         leaves, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node and _is_struct(x))
         if len(leaves) == 1 and leaves[0][1] is node:  # a non-array leaf (a Python scalar)
             return replicated(self.mesh)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 
-from treespark_jax.typing import PRNGKeyArray
+from treespark_jax.typing import Array, Key
 
 STREAM_TARGET_SAMPLE = 0
 STREAM_DRAFT = 1
@@ -16,6 +16,6 @@ STREAM_ACCEPT = 2
 STREAM_RESIDUAL = 3
 
 
-def purpose_keys(keys: PRNGKeyArray, purpose: int) -> PRNGKeyArray:
+def purpose_keys(keys: Key[Array, "B"], purpose: int) -> Key[Array, "B"]:
     """``[B]`` per-row keys ``fold_in(keys[b], purpose)``."""
     return jax.vmap(lambda k: jax.random.fold_in(k, purpose))(keys)

@@ -8,7 +8,7 @@ from treespark_jax.models.kv_cache import KVCache, move_slots
 from treespark_jax.typing import Array, Bool, Int
 
 
-def commit_path(cache: KVCache, path: Int[Array, "B D"], n_accepted: Int[Array, "B"],
+def commit_path(cache: KVCache, path: Int[Array, "B depth"], n_accepted: Int[Array, "B"],
                 active: Bool[Array, "B"]) -> KVCache:
     """Moves the accepted nodes' K/V next to the anchor's and advances the row lengths.
 
@@ -20,7 +20,7 @@ def commit_path(cache: KVCache, path: Int[Array, "B D"], n_accepted: Int[Array, 
 
     Args:
       cache: ``[L, B, K, S, E]`` cache after the verify call (``lengths`` not yet advanced).
-      path: ``[B, D]`` int32 accepted node indices, ``-1`` padded.
+      path: ``[B, depth]`` int32 accepted node indices, ``-1`` padded.
       n_accepted: ``[B]`` int32 accepted drafted nodes.
       active: ``[B]`` bool rows still generating (finished rows keep their length).
 

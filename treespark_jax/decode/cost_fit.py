@@ -24,6 +24,8 @@ is an average of measured ones and stays convex).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from scipy.optimize import nnls
 
@@ -32,15 +34,16 @@ from treespark_jax.typing import Array, Float
 __all__ = ["fit_monotone_convex", "pool_adjacent_violators"]
 
 
-def fit_monotone_convex(x: Float[Array, "R"], y: Float[Array, "R"]) -> np.ndarray:
+def fit_monotone_convex(x: Sequence[float] | Float[Array, "rungs"],
+                        y: Sequence[float] | Float[Array, "rungs"]) -> np.ndarray:
     """Least-squares projection of ``y`` onto non-decreasing convex piecewise-linear functions of ``x``.
 
     Args:
-      x: ``[R]`` strictly ascending abscissae (e.g. verified rows).
-      y: ``[R]`` measured values (e.g. milliseconds).
+      x: ``[rungs]`` strictly ascending abscissae (e.g. verified rows).
+      y: ``[rungs]`` measured values (e.g. milliseconds).
 
     Returns:
-      ``[R]`` float64 fitted values at ``x``: non-decreasing, with non-decreasing slopes, and
+      ``[rungs]`` float64 fitted values at ``x``: non-decreasing, with non-decreasing slopes, and
       equal to ``y`` (up to rounding) when ``y`` already has both properties.
 
     Raises:
@@ -61,7 +64,8 @@ def fit_monotone_convex(x: Float[Array, "R"], y: Float[Array, "R"]) -> np.ndarra
     return y.mean() + centred @ coef
 
 
-def pool_adjacent_violators(table: Float[Array, "C R"]) -> np.ndarray:
+def pool_adjacent_violators(table: Sequence[float] | Sequence[Sequence[float]] | Float[Array, "contexts *rungs"]
+                            ) -> np.ndarray:
     """Makes the rows of ``table`` elementwise non-decreasing along its first axis by pooling.
 
     Pool-adjacent-violators over whole vectors: scanning in order, a vector that is below its

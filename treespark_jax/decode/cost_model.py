@@ -19,6 +19,7 @@ The fit is ``decode/cost_fit.py``; profiles are stored and found by ``decode/cos
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -80,16 +81,16 @@ class CostModel:
         has the wrong shape, or a latency is negative or not finite.
     """
 
-    contexts: tuple[int, ...]
-    rows: tuple[int, ...]
-    verify_ms: tuple[tuple[float, ...], ...]
-    draft_ms: tuple[float, ...]
+    contexts: Sequence[int]
+    rows: Sequence[int]
+    verify_ms: Sequence[Sequence[float]]
+    draft_ms: Sequence[float]
     device: str = "cpu"
     target: str = "unknown"
     budget: int = 0
-    measured_verify_ms: tuple[tuple[float, ...], ...] | None = None
-    measured_draft_ms: tuple[float, ...] | None = dataclasses.field(default=None, compare=False, hash=False)
-    step_ms: tuple[float, ...] | None = None
+    measured_verify_ms: Sequence[Sequence[float]] | None = None
+    measured_draft_ms: Sequence[float] | None = dataclasses.field(default=None, compare=False, hash=False)
+    step_ms: Sequence[float] | None = None
 
     def __post_init__(self):
         def floats(v):
@@ -189,12 +190,12 @@ class CostModel:
         by_context = _interp(rows, tuple(map(float, self.rows)), table, np).T  # [C, len(nodes)]
         return self._by_context(by_context, context)
 
-    def draft_cost(self, context) -> np.ndarray | jax.Array:
+    def draft_cost(self, context) -> np.ndarray | jax.Array | float:
         """Draft latency (ms) of one round at ``context`` (a number or a traced scalar, as in
         ``verify_cost``); returns a float scalar."""
         return self._by_context(self.draft_ms, context)
 
-    def step_cost(self, context) -> np.ndarray | jax.Array:
+    def step_cost(self, context) -> np.ndarray | jax.Array | float:
         """Latency (ms) of a one-row target call at ``context`` (a round that skips drafting), as
         ``draft_cost``.
 
@@ -205,7 +206,7 @@ class CostModel:
             raise ValueError("this cost model has no one-row step cost; re-run `treespark profile`.")
         return self._by_context(self.step_ms, context)
 
-    def _by_context(self, per_context, context) -> np.ndarray | jax.Array:
+    def _by_context(self, per_context, context) -> np.ndarray | jax.Array | float:
         xp = _array_module(context)
         dtype = np.float64 if xp is np else jnp.result_type(float)
         return _interp(xp.asarray(context, dtype), tuple(map(float, self.contexts)),

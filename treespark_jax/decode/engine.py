@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +104,7 @@ class Engine:
       layout: the mesh's partition rules, or ``None`` on one device.
     """
 
-    def __init__(self, model: Decoder, stop_ids: Sequence[int], cost: CostModel = DEFAULT_CPU_COST,
+    def __init__(self, model: Decoder, stop_ids: Collection[int], cost: CostModel = DEFAULT_CPU_COST,
                  mesh: Mesh | None = None):
         self.cost = cost
         self.layout = Partitioner.for_model(mesh, model.cfg) if mesh is not None and mesh.size > 1 else None

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from treespark_jax.models.decoder import DecoderOutput
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Float, Int
 
 LOG_DTYPE = jnp.bfloat16
 """Storage dtype of logged features and hidden states (that of rollout records)."""
 
 
-@struct.dataclass
+@pytree_dataclass
 class FeatureLog:
     """Per-position features of every row: slot ``s`` of row ``b`` holds position ``s``.
 

@@ -41,7 +41,7 @@ class Speculation:
 
     proposer: Proposer
     tree: TreeConfig
-    verify: VerifyRule
+    verify: VerifyRule | str
     cost_aware_stop: bool
     skip_drafting: bool
 

@@ -28,15 +28,15 @@ rate against the profiled cost of not drafting.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from flax import struct
 
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Float, Int
 
 DECAY = 0.5  # weight of the running average against the newest drafted round
 MAX_PAUSE = 16  # longest run of skipped rounds between two probes
 
 
-@struct.dataclass
+@pytree_dataclass
 class SkipState:
     """The controller's loop carry (scalars shared by the batch).
 
@@ -58,7 +58,7 @@ class SkipState:
 
 
 def after_draft(state: SkipState, tokens: Float[Array, ""], round_ms: Float[Array, ""],
-                step_ms: Float[Array, ""]) -> SkipState:
+                step_ms: Float[Array, ""] | float) -> SkipState:
     """The controller after a drafted round.
 
     Args:

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from treespark_jax.decode.ar import target_step
 from treespark_jax.decode.commit import commit_path
@@ -27,6 +26,7 @@ from treespark_jax.decode.state import GenState, Requests, append_tokens
 from treespark_jax.decode.tree_log import TreeLog
 from treespark_jax.drafter.proposer import Committed, Proposer
 from treespark_jax.models.decoder import Decoder
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.accept import Acceptance, accept
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.tree.builders import build_tree
@@ -36,17 +36,17 @@ from treespark_jax.tree.verify_size import choose_verify_size, expected_accepted
 from treespark_jax.typing import Array, Int
 
 
-@struct.dataclass
+@pytree_dataclass
 class SpecStats:
     """Per-row counters of a speculative generation.
 
     Attributes:
       rounds: ``[B]`` int32 verify rounds the row took part in.
       accepted: ``[B]`` int32 drafted tokens accepted (τ per round = accepted / rounds + 1).
-      depth_reached: ``[B, D]`` int32 rounds whose path reached depth ``j`` (column ``j``), i.e.
+      depth_reached: ``[B, depth]`` int32 rounds whose path reached depth ``j`` (column ``j``), i.e.
         where a depth ``j + 1`` draft could be accepted.
-      depth_accepted: ``[B, D]`` int32 rounds where the depth ``j + 1`` draft was accepted.
-      rung_rounds: ``[R]`` int32 rounds that verified each ladder rung.
+      depth_accepted: ``[B, depth]`` int32 rounds where the depth ``j + 1`` draft was accepted.
+      rung_rounds: ``[rungs]`` int32 rounds that verified each ladder rung.
       skipped: ``[B]`` int32 rounds the row took part in without drafting (draft skipping);
         not counted in ``rounds``.
       skipped_steps: ``[]`` int32 target calls of the batch that skipped drafting (the
@@ -55,9 +55,9 @@ class SpecStats:
 
     rounds: Int[Array, "B"]
     accepted: Int[Array, "B"]
-    depth_reached: Int[Array, "B D"]
-    depth_accepted: Int[Array, "B D"]
-    rung_rounds: Int[Array, "R"]
+    depth_reached: Int[Array, "B depth"]
+    depth_accepted: Int[Array, "B depth"]
+    rung_rounds: Int[Array, "rungs"]
     skipped: Int[Array, "B"]
     skipped_steps: Int[Array, ""]
 
@@ -69,7 +69,7 @@ class SpecStats:
                    skipped_steps=z(()))
 
 
-@struct.dataclass
+@pytree_dataclass
 class SpecState:
     """Loop carry: generation state, the proposer's state, the statistics, the tree log
     (``None`` unless ``RoundPlan.log_trees``) and the draft-skipping controller (``None``

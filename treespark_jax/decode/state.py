@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.streams import purpose_keys
-from treespark_jax.typing import Array, Bool, Float, Int, Key, PRNGKeyArray
+from treespark_jax.typing import Array, Bool, Float, Int, Key
 
 
-@struct.dataclass
+@pytree_dataclass
 class Requests:
     """Per-row request settings (arrays, so changing them never recompiles).
 
@@ -20,24 +20,24 @@ class Requests:
       top_p: ``[B]`` float nucleus mass in ``(0, 1]``.
       keys: ``[B]`` PRNG keys, one per request (from its seed), never from its batch position.
       max_new: ``[B]`` int32 cap on emitted tokens.
-      stop_ids: ``[X]`` int32 end-of-sequence ids (merged from every source by the tokenizer).
+      stop_ids: ``[stops]`` int32 end-of-sequence ids (merged from every source by the tokenizer).
     """
 
     temperature: Float[Array, "B"]
     top_p: Float[Array, "B"]
     keys: Key[Array, "B"]
     max_new: Int[Array, "B"]
-    stop_ids: Int[Array, "X"]
+    stop_ids: Int[Array, "stops"]
 
 
-@struct.dataclass
+@pytree_dataclass
 class GenState:
     """Everything the decode loop carries from one step (or round) to the next.
 
     Attributes:
       cache: target KV cache; ``lengths`` = committed tokens per row.
       anchor: ``[B]`` int32 last emitted token, whose K/V is not yet in the cache.
-      out: ``[B, O]`` int32 emitted tokens (``O`` = output bucket), 0 after ``n_out``.
+      out: ``[B, out]`` int32 emitted tokens (``out`` = output bucket), 0 after ``n_out``.
       n_out: ``[B]`` int32 tokens emitted so far (the EOS token counts, nothing after it).
       done: ``[B]`` bool, row finished (EOS, length cap, or a padded batch row).
       steps: ``[]`` int32 target forwards after prefill (AR steps or verify rounds).
@@ -45,13 +45,13 @@ class GenState:
 
     cache: KVCache
     anchor: Int[Array, "B"]
-    out: Int[Array, "B O"]
+    out: Int[Array, "B out"]
     n_out: Int[Array, "B"]
     done: Bool[Array, "B"]
     steps: Int[Array, ""]
 
 
-def row_keys(requests: Requests, purpose: int, counter: Int[Array, "B"]) -> PRNGKeyArray:
+def row_keys(requests: Requests, purpose: int, counter: Int[Array, "B"]) -> Key[Array, "B"]:
     """Per-row keys for one use: ``fold_in(fold_in(request_key, purpose), counter)``.
 
     ``counter`` is a per-row quantity such as the number of tokens emitted so far, so the
@@ -60,7 +60,7 @@ def row_keys(requests: Requests, purpose: int, counter: Int[Array, "B"]) -> PRNG
     return jax.vmap(jax.random.fold_in)(purpose_keys(requests.keys, purpose), counter)
 
 
-def append_tokens(state: GenState, new: Int[Array, "B X"], n_new: Int[Array, "B"],
+def append_tokens(state: GenState, new: Int[Array, "B _"], n_new: Int[Array, "B"],
                   requests: Requests) -> tuple[GenState, Int[Array, "B"]]:
     """Emits up to ``n_new[b]`` leading tokens of ``new[b]`` per row.
 
@@ -70,7 +70,7 @@ def append_tokens(state: GenState, new: Int[Array, "B X"], n_new: Int[Array, "B"
 
     Args:
       state: current state (only ``out``, ``n_out`` and ``done`` change).
-      new: ``[B, X]`` int32 candidate tokens in order.
+      new: ``[B, _]`` int32 candidate tokens in order.
       n_new: ``[B]`` int32 how many leading entries of ``new`` are real.
       requests: per-row caps and stop ids.
 

@@ -11,39 +11,39 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.acceptance import Acceptance
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.typing import Array, Bool, Float, Int
 
 
-@struct.dataclass
+@pytree_dataclass
 class TreeLog:
     """Round-by-round trees of every row; round slot ``r`` of row ``b`` is its ``r``-th round.
 
     Attributes:
-      anchor_pos: ``[B, R]`` int32 position of the round's anchor (= committed length before it).
-      tokens: ``[B, R, N]`` int32 node tokens.
-      parents: ``[B, R, N]`` int32 parent node index, ``-1`` = the anchor.
-      depths: ``[B, R, N]`` int32 node depths (anchor = 0).
-      sibling_rank: ``[B, R, N]`` int32 draw order among siblings (the rejection rule's order).
-      valid: ``[B, R, N]`` bool node is a real node inside the verified ladder rung (nodes the
+      anchor_pos: ``[B, rounds]`` int32 position of the round's anchor (= committed length before it).
+      tokens: ``[B, rounds, N]`` int32 node tokens.
+      parents: ``[B, rounds, N]`` int32 parent node index, ``-1`` = the anchor.
+      depths: ``[B, rounds, N]`` int32 node depths (anchor = 0).
+      sibling_rank: ``[B, rounds, N]`` int32 draw order among siblings (the rejection rule's order).
+      valid: ``[B, rounds, N]`` bool node is a real node inside the verified ladder rung (nodes the
         cost-aware stop left out are not part of the verified tree).
-      accepted: ``[B, R, N]`` bool node was accepted.
-      node_hidden: ``[B, R, N + 1, D]`` final-norm target hidden state of each verify row (row 0
+      accepted: ``[B, rounds, N]`` bool node was accepted.
+      node_hidden: ``[B, rounds, N + 1, D]`` final-norm target hidden state of each verify row (row 0
         = the anchor, row ``i + 1`` = node ``i``; rows of nodes that are not valid are zero).
       rounds: ``[B]`` int32 rounds logged per row.
     """
 
-    anchor_pos: Int[Array, "B R"]
-    tokens: Int[Array, "B R N"]
-    parents: Int[Array, "B R N"]
-    depths: Int[Array, "B R N"]
-    sibling_rank: Int[Array, "B R N"]
-    valid: Bool[Array, "B R N"]
-    accepted: Bool[Array, "B R N"]
-    node_hidden: Float[Array, "B R N+1 D"]
+    anchor_pos: Int[Array, "B rounds"]
+    tokens: Int[Array, "B rounds N"]
+    parents: Int[Array, "B rounds N"]
+    depths: Int[Array, "B rounds N"]
+    sibling_rank: Int[Array, "B rounds N"]
+    valid: Bool[Array, "B rounds N"]
+    accepted: Bool[Array, "B rounds N"]
+    node_hidden: Float[Array, "B rounds N+1 D"]
     rounds: Int[Array, "B"]
 
     @classmethod
@@ -59,7 +59,7 @@ class TreeLog:
                    node_hidden=z(batch, rounds, budget + 1, width, dt=dtype), rounds=z(batch))
 
     def record(self, active: Bool[Array, "B"], anchor_pos: Int[Array, "B"], tree: DraftTree,
-               verified_nodes: Int[Array, ""], acc: Acceptance, hidden: Float[Array, "B N+1 D"]) -> "TreeLog":
+               verified_nodes: Int[Array, ""], acc: Acceptance, hidden: Float[Array, "B rows D"]) -> "TreeLog":
         """Writes this round into each active row's next slot (rows past the last slot drop it).
 
         Args:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from flax import nnx, struct
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from treespark_jax.config import DrafterConfig
@@ -26,6 +26,7 @@ from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.drafter.proposer import Committed
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.proposal import Proposal
 from treespark_jax.typing import Array, Float, Int
 
@@ -38,7 +39,7 @@ def _replicated_like(x: jax.Array) -> jax.sharding.Sharding:
     return sharding
 
 
-@struct.dataclass
+@pytree_dataclass
 class DrafterWeights:
     """What stays fixed during a generation.
 
@@ -55,7 +56,7 @@ class DrafterWeights:
     draft_head: TargetHead | None = None
 
 
-@struct.dataclass
+@pytree_dataclass
 class DrafterState:
     """Proposer state: the weights and the context cache (``[L_d, B, K, S, E]``, ``lengths [B]``)."""
 

@@ -318,7 +318,7 @@ def export_drafter(src: str | Path, dst: str | Path, dtype: str = "bfloat16", *,
     Args:
       src, dst: checkpoint directories.
       dtype: storage dtype of the copy.
-      draft_vocab: ``[K]`` token ids the copy drafts from (``BlockDrafter.with_draft_vocab``),
+      draft_vocab: ``[U]`` token ids the copy drafts from (``BlockDrafter.with_draft_vocab``),
         e.g. ``train.draft_vocab.frequency_ranked_vocab``; ``None`` keeps the source's.
       overwrite: replace an existing ``dst``.
 

@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from treespark_jax.config import DrafterConfig, ModelConfig
 from treespark_jax.drafter.heads import ConfidenceHead, EdgeHead, MarkovHead, platt_identity_terms
@@ -27,26 +27,28 @@ from treespark_jax.models.kv_cache import KVCache, by_key_width, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import expected_shapes
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.proposal import Proposal
 from treespark_jax.typing import Array, Bool, Float, Int
 
 
-@struct.dataclass
+@pytree_dataclass
 class TargetHead:
     """The target's token embedding and LM head, shared with the drafter and never trained by it.
 
     Attributes:
-      embed: ``[V, D]`` token embedding (also the head when ``lm_head`` is ``None``).
-      lm_head: ``[D, V]`` untied LM head, or ``None`` for tied embeddings.
-      vocab_ids: ``[K]`` int32 the token id of each row of a restricted head (``restricted``),
+      embed: ``[C, D]`` token embedding of the head's columns ``C`` (the vocabulary ``V``, or
+        a restricted head's ``U`` tokens); also the head when ``lm_head`` is ``None``.
+      lm_head: ``[D, C]`` untied LM head, or ``None`` for tied embeddings.
+      vocab_ids: ``[C]`` int32 the token id of each row of a restricted head (``restricted``),
         ``None`` for the target's whole head (row ``i`` is token ``i``).
       token_columns: ``[V]`` int32 the logit column of every token id of the whole vocabulary
-        in a restricted head, ``K`` for a token outside it; ``None`` for the whole head.
+        in a restricted head, ``C`` for a token outside it; ``None`` for the whole head.
     """
 
-    embed: Float[Array, "V D"]
-    lm_head: Float[Array, "D V"] | None
-    vocab_ids: Int[Array, "K"] | None = None
+    embed: Float[Array, "C D"]
+    lm_head: Float[Array, "D C"] | None
+    vocab_ids: Int[Array, "C"] | None = None
     token_columns: Int[Array, "V"] | None = None
 
     @classmethod
@@ -55,12 +57,12 @@ class TargetHead:
         head = target.lm_head[...].astype(dtype) if not target.cfg.tie_embeddings else None
         return cls(embed=target.embed[...].astype(dtype), lm_head=head)
 
-    def logits(self, hidden: Float[Array, "B P D"]) -> Float[Array, "B P V"]:
+    def logits(self, hidden: Float[Array, "*batch D"]) -> Float[Array, "*batch C"]:
         """LM-head logits of final-norm hidden states."""
         return lm_logits(hidden, self.embed, self.lm_head)
 
-    def restricted(self, ids: Int[Array, "K"]) -> "TargetHead":
-        """The head over the token ids ``ids`` only (a draft vocabulary): logits ``[..., K]``."""
+    def restricted(self, ids: Int[Array, "U"]) -> "TargetHead":
+        """The head over the token ids ``ids`` only (a draft vocabulary): logits ``[..., U]``."""
         ids = jnp.asarray(ids, jnp.int32)
         lm_head = None if self.lm_head is None else self.lm_head[:, ids]
         k = ids.shape[0]
@@ -69,7 +71,7 @@ class TargetHead:
 
     def columns(self, tokens: Int[Array, "..."]) -> Int[Array, "..."]:
         """The logit column of each token id: the id itself for the whole head; for a restricted
-        head its row in ``vocab_ids``, or ``K`` (one past the last column) for a token outside."""
+        head its row in ``vocab_ids``, or ``C`` (one past the last column) for a token outside."""
         tokens = jnp.asarray(tokens, jnp.int32)
         return tokens if self.token_columns is None else self.token_columns[tokens]
 
@@ -96,17 +98,18 @@ class DraftVocab(nnx.Variable):
     """The token ids of a drafter's draft vocabulary (``DrafterConfig.draft_vocab``); not trained."""
 
 
-@struct.dataclass
+@pytree_dataclass
 class DrafterOutput:
     """One block forward.
 
     Attributes:
-      hidden: ``[B, P, D]`` final-norm hidden states ``h_j``.
-      logits: ``[B, P, V]`` base logits ``U_j`` for depth ``j + 1``.
+      hidden: ``[B, P, D]`` final-norm hidden states ``h_j`` (``[B, anchors, P, D]`` from a
+        packed forward).
+      logits: ``[B, P, C]`` base logits ``U_j`` for depth ``j + 1`` on the head's columns.
     """
 
-    hidden: Float[Array, "B P D"]
-    logits: Float[Array, "B P V"]
+    hidden: Float[Array, "B *anchors P D"]
+    logits: Float[Array, "B *anchors P C"]
 
 
 class BlockDrafter(nnx.Module):
@@ -322,7 +325,7 @@ class BlockDrafter(nnx.Module):
             x = finish_layer(w, t_cfg, x, attention(query_heads(w, t_cfg, h, positions), keys, values, mask))
         return rms_norm(x, self.final_norm[...], t_cfg.rms_eps)
 
-    def packed(self, tokens: Int[Array, "B T"], features: Float[Array, "B T X"], anchors: Int[Array, "B A"],
+    def packed(self, tokens: Int[Array, "B T"], features: Float[Array, "B T X"], anchors: Int[Array, "B anchors"],
                head: TargetHead, draft_head: TargetHead | None = None) -> DrafterOutput:
         """Training forward: ``A`` blocks per sequence in one pass, blocks never seeing each other.
 
@@ -372,13 +375,13 @@ class BlockDrafter(nnx.Module):
         return jnp.concatenate([edge, conf[None].astype(edge.dtype)], axis=0)
 
     def proposal(self, out: DrafterOutput, token_terms: Float[Array, "3 V"],
-                 vocab_ids: Int[Array, "K"] | None = None) -> Proposal:
+                 vocab_ids: Int[Array, "U"] | None = None) -> Proposal:
         """The round's Proposal: top-``M`` pool of each ``U_j`` plus the heads' factors.
 
         Args:
           out: the block forward.
           token_terms: ``[3, V]`` from ``token_terms`` (same weights).
-          vocab_ids: ``[K]`` the token id of each logit column when ``out`` was computed with a
+          vocab_ids: ``[U]`` the token id of each logit column when ``out`` was computed with a
             draft head (``TargetHead.vocab_ids``); ``None`` for whole-vocabulary logits.
 
         Returns:

@@ -10,18 +10,18 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-from flax import struct
 
 from treespark_jax.drafter.proposer import Committed
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.proposal import Proposal
 from treespark_jax.typing import Array, Int
 
 
-@struct.dataclass
+@pytree_dataclass
 class History:
-    """Every token of each row so far: ``tokens [B, C]`` int32, ``length [B]`` int32 (anchor last)."""
+    """Every token of each row so far: ``tokens [B, history]`` int32, ``length [B]`` int32 (anchor last)."""
 
-    tokens: Int[Array, "B C"]
+    tokens: Int[Array, "B history"]
     length: Int[Array, "B"]
 
 

@@ -37,8 +37,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Bool, Float, Int
 
 
@@ -109,7 +109,7 @@ def weighted_mean(values: Float[Array, "..."], weights: Float[Array, "..."]) -> 
     return jnp.sum(weights * values) / jnp.where(total > 0, total, 1)
 
 
-def l1_distance(log_q: Float[Array, "... V"], log_p: Float[Array, "... V"], tail: Float[Array, "..."] | float = 0.0
+def l1_distance(log_q: Float[Array, "... C"], log_p: Float[Array, "... C"], tail: Float[Array, "..."] | float = 0.0
                 ) -> Float[Array, "..."]:
     """``‖q − p‖₁`` of two log-distributions, ``[..., V] -> [...]`` (in [0, 2]).
 
@@ -118,8 +118,8 @@ def l1_distance(log_q: Float[Array, "... V"], log_p: Float[Array, "... V"], tail
     return jnp.sum(jnp.abs(jnp.exp(log_q) - jnp.exp(log_p)), axis=-1) + tail
 
 
-def target_log_probs(target_logits: Float[Array, "... V"], lse: Float[Array, "..."] | None = None
-                     ) -> tuple[Float[Array, "... V"], Float[Array, "..."]]:
+def target_log_probs(target_logits: Float[Array, "... C"], lse: Float[Array, "..."] | None = None
+                     ) -> tuple[Float[Array, "... C"], Float[Array, "..."]]:
     """``(log p, tail)`` of the target on the logit columns, no gradient (module docstring).
 
     Args:
@@ -142,7 +142,7 @@ def binary_cross_entropy(logits: Float[Array, "..."], targets: Float[Array, "...
     return jax.nn.softplus(logits) - targets * logits
 
 
-def gold_cross_entropy(log_q: Float[Array, "... V"], labels: Int[Array, "..."]) -> Float[Array, "..."]:
+def gold_cross_entropy(log_q: Float[Array, "... C"], labels: Int[Array, "..."]) -> Float[Array, "..."]:
     """``−log q(label)``, ``[..., V] × [...] -> [...]``; 0 for a label column ``≥ V`` (outside the
     columns: mask it out of any mean, ``in_columns``)."""
     labels = labels.astype(jnp.int32)
@@ -162,31 +162,31 @@ def slot_weights(mask: Bool[Array, "B P"], decay: float) -> Float[Array, "B P"]:
     return jnp.where(mask, jnp.exp(-j / decay), 0.0)
 
 
-@struct.dataclass
+@pytree_dataclass
 class BlockAlignment:
     """Training labels of ``A`` drafter blocks cut from one rollout.
 
     Attributes:
-      labels: ``[A, P]`` int32 gold token at depth ``j + 1``: ``tokens[a + j + 1]``.
-      prev_tokens: ``[A, P]`` int32 gold token at depth ``j`` (``tokens[a + j]``, the anchor for
+      labels: ``[anchors, P]`` int32 gold token at depth ``j + 1``: ``tokens[a + j + 1]``.
+      prev_tokens: ``[anchors, P]`` int32 gold token at depth ``j`` (``tokens[a + j]``, the anchor for
         ``j = 0``): the Markov head's teacher-forced parent and the confidence head's ``t_prev``.
-      mask: ``[A, P]`` bool ``loss_mask[a + j + 1] & (a + j + 1 < length)``, False for ``a < 0``.
-      rows: ``[A, P]`` int32 position ``a + j`` (clipped to ``[0, T − 1]``): the target row whose
+      mask: ``[anchors, P]`` bool ``loss_mask[a + j + 1] & (a + j + 1 < length)``, False for ``a < 0``.
+      rows: ``[anchors, P]`` int32 position ``a + j`` (clipped to ``[0, T − 1]``): the target row whose
         distribution ``p_t`` slot ``j`` is trained toward.
-      target: ``[A, P, X]`` the caller's per-position target array gathered at ``rows``
+      target: ``[anchors, P, _]`` the caller's per-position target array gathered at ``rows``
         (final-norm hidden ``X = D`` or logits ``X = V``), or ``None``.
     """
 
-    labels: Int[Array, "A P"]
-    prev_tokens: Int[Array, "A P"]
-    mask: Bool[Array, "A P"]
-    rows: Int[Array, "A P"]
-    target: Float[Array, "A P X"] | None = None
+    labels: Int[Array, "anchors P"]
+    prev_tokens: Int[Array, "anchors P"]
+    mask: Bool[Array, "anchors P"]
+    rows: Int[Array, "anchors P"]
+    target: Float[Array, "anchors P _"] | None = None
 
 
-def align_blocks(tokens: Int[Array, "T"], loss_mask: Bool[Array, "T"], anchors: Int[Array, "A"],
+def align_blocks(tokens: Int[Array, "T"], loss_mask: Bool[Array, "T"], anchors: Int[Array, "anchors"],
                  block_size: int, length: Int[Array, ""] | int | None = None,
-                 target: Float[Array, "T X"] | None = None) -> BlockAlignment:
+                 target: Float[Array, "T _"] | None = None) -> BlockAlignment:
     """Labels, mask, teacher-forced parents and target rows of drafter blocks (DESIGN.md §1.4).
 
     The block anchored at position ``a`` is what inference drafts when ``tokens[a]`` is the
@@ -204,12 +204,12 @@ def align_blocks(tokens: Int[Array, "T"], loss_mask: Bool[Array, "T"], anchors: 
       target: optional ``[T, X]`` per-position target array to gather at ``rows``.
 
     Returns:
-      ``BlockAlignment`` with ``[A, P]`` arrays.
+      ``BlockAlignment`` with ``[anchors, P]`` arrays.
     """
     t = tokens.shape[0]
     length = t if length is None else length
     anchors = jnp.asarray(anchors, jnp.int32)
-    pos = anchors[:, None] + jnp.arange(block_size + 1, dtype=jnp.int32)[None, :]  # [A, P + 1]
+    pos = anchors[:, None] + jnp.arange(block_size + 1, dtype=jnp.int32)[None, :]  # [anchors, P + 1]
     safe = jnp.clip(pos, 0, t - 1)
     seq = tokens.astype(jnp.int32)[safe]
     label_pos = pos[:, 1:]
@@ -219,8 +219,8 @@ def align_blocks(tokens: Int[Array, "T"], loss_mask: Bool[Array, "T"], anchors: 
                           target=None if target is None else target[rows])
 
 
-def markov_logits(base: Float[Array, "B P V"], prev_tokens: Int[Array, "B P"],
-                  parent: Float[Array, "V R"], child: Float[Array, "R V"]) -> Float[Array, "B P V"]:
+def markov_logits(base: Float[Array, "B P C"], prev_tokens: Int[Array, "B P"],
+                  parent: Float[Array, "V R"], child: Float[Array, "R C"]) -> Float[Array, "B P C"]:
     """Teacher-forced child logits ``U_j + A(t_prev, ·)`` with ``A(t, x) = E[t] · W[:, x]`` (full V).
 
     Args:
@@ -231,7 +231,7 @@ def markov_logits(base: Float[Array, "B P V"], prev_tokens: Int[Array, "B P"],
     return base + jnp.einsum("BPR,RV->BPV", parent[prev_tokens], child).astype(base.dtype)
 
 
-def chain_acceptance(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P V"],
+def chain_acceptance(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"],
                      target_lse: Float[Array, "B P"] | None = None) -> Float[Array, "B P"]:
     """Per-depth acceptance estimate ``α_j = 1 − ½‖q_j − p_t‖₁`` (temperature 1, no gradient to ``p_t``).
 
@@ -260,7 +260,7 @@ def expected_chain_tau(alpha: Float[Array, "B P"], mask: Bool[Array, "B P"]) -> 
     return weighted_mean(tau, mask[:, 0].astype(tau.dtype))
 
 
-def dflash(base_logits: Float[Array, "B P V"], labels: Int[Array, "B P"], mask: Bool[Array, "B P"],
+def dflash(base_logits: Float[Array, "B P C"], labels: Int[Array, "B P"], mask: Bool[Array, "B P"],
            cfg: LossConfig = LossConfig()) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """DFlash loss: gold-token CE of the base logits, slot weights ``exp(−j/γ_w)``.
 
@@ -279,7 +279,7 @@ def dflash(base_logits: Float[Array, "B P V"], labels: Int[Array, "B P"], mask: 
     return total, {"ce": total}
 
 
-def dspark(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P V"], labels: Int[Array, "B P"],
+def dspark(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"], labels: Int[Array, "B P"],
            mask: Bool[Array, "B P"], confidence_logits: Float[Array, "B P"] | None = None,
            cfg: LossConfig = LossConfig(), target_lse: Float[Array, "B P"] | None = None
            ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:

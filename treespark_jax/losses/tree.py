@@ -34,86 +34,87 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from treespark_jax.config import TREE_RULES, greedy_tree, tree_temperature
 from treespark_jax.losses.chain import (LossConfig, as_float, binary_cross_entropy, dspark, l1_distance,
                                         target_log_probs, weighted_mean)
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.accept_rejection import node_rejection
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.typing import Array, Bool, Float, Int
 
-@struct.dataclass
+
+@pytree_dataclass
 class LoggedTrees:
-    """``Tr`` verified trees from on-policy rollouts, with the target's rows recomputed.
+    """``batch_trees`` verified trees from on-policy rollouts, with the target's rows recomputed.
 
     Attributes:
-      tree: ``[Tr, N]`` the trees as built (nodes in admission order: parents first;
+      tree: ``[batch_trees, N]`` the trees as built (nodes in admission order: parents first;
         ``sibling_rank`` = draw order, used by the rejection rule).
-      accepted: ``[Tr, N]`` bool, the node was on the accepted path.
-      target_logits: ``[Tr, N + 1, V]`` the target's logits per verification row (row 0 = anchor),
+      accepted: ``[batch_trees, N]`` bool, the node was on the accepted path.
+      target_logits: ``[batch_trees, N + 1, C]`` the target's logits per verification row (row 0 = anchor),
         from the logged final-norm hidden states and the frozen LM head, on the drafter's columns.
-      temperature: ``[Tr]`` float temperature the tree was verified at (ignored by ``greedy``).
-      columns: ``[Tr, N]`` int32 logit column of each node's token, or ``None`` when the columns
+      temperature: ``[batch_trees]`` float temperature the tree was verified at (ignored by ``greedy``).
+      columns: ``[batch_trees, N]`` int32 logit column of each node's token, or ``None`` when the columns
         are the whole vocabulary (column = token id).
-      target_lse: ``[Tr, N + 1]`` logsumexp over the whole vocabulary of the target's logits
+      target_lse: ``[batch_trees, N + 1]`` logsumexp over the whole vocabulary of the target's logits
         divided by the rule's temperature (1 for ``greedy`` and temperature-0 trees), or ``None`` when
         the columns are the whole vocabulary.
-      top_columns: ``[Tr, N + 1]`` int32 column of the target's argmax per row (``V`` when it
+      top_columns: ``[batch_trees, N + 1]`` int32 column of the target's argmax per row (``V`` when it
         lies outside the columns), or ``None`` to take the argmax of ``target_logits``.
     """
 
     tree: DraftTree
-    accepted: Bool[Array, "Tr N"]
-    target_logits: Float[Array, "Tr R V"]
-    temperature: Float[Array, "Tr"]
-    columns: Int[Array, "Tr N"] | None = None
-    target_lse: Float[Array, "Tr R"] | None = None
-    top_columns: Int[Array, "Tr R"] | None = None
+    accepted: Bool[Array, "batch_trees N"]
+    target_logits: Float[Array, "batch_trees rows C"]
+    temperature: Float[Array, "batch_trees"]
+    columns: Int[Array, "batch_trees N"] | None = None
+    target_lse: Float[Array, "batch_trees rows"] | None = None
+    top_columns: Int[Array, "batch_trees rows"] | None = None
 
     @property
-    def node_columns(self) -> Int[Array, "Tr N"]:
+    def node_columns(self) -> Int[Array, "batch_trees N"]:
         """The logit column of each node's token."""
         return self.tree.tokens if self.columns is None else self.columns
 
 
-@struct.dataclass
+@pytree_dataclass
 class VerifyTargets:
     """Per-row targets of the tree terms (``R = N + 1`` rows, row 0 = anchor).
 
     Attributes:
-      reach: ``[Tr, R]`` ``r_u`` (stop-gradient); 0 for padding rows.
-      y: ``[Tr, R, V]`` ``y_u`` on the columns (stop-gradient).
-      log_p: ``[Tr, R, V]`` ``log p_u`` at the rule's temperature (stop-gradient).
-      tail: ``[Tr, R]`` ``p_u``'s mass outside the columns (0 for the whole vocabulary).
-      log_q: ``[Tr, R, V]`` ``log q(·|x_u)`` at the same temperature (differentiable).
+      reach: ``[batch_trees, rows]`` ``r_u`` (stop-gradient); 0 for padding rows.
+      y: ``[batch_trees, rows, C]`` ``y_u`` on the columns (stop-gradient).
+      log_p: ``[batch_trees, rows, C]`` ``log p_u`` at the rule's temperature (stop-gradient).
+      tail: ``[batch_trees, rows]`` ``p_u``'s mass outside the columns (0 for the whole vocabulary).
+      log_q: ``[batch_trees, rows, C]`` ``log q(·|x_u)`` at the same temperature (differentiable).
     """
 
-    reach: Float[Array, "Tr R"]
-    y: Float[Array, "Tr R V"]
-    log_p: Float[Array, "Tr R V"]
-    tail: Float[Array, "Tr R"]
-    log_q: Float[Array, "Tr R V"]
+    reach: Float[Array, "batch_trees rows"]
+    y: Float[Array, "batch_trees rows C"]
+    log_p: Float[Array, "batch_trees rows C"]
+    tail: Float[Array, "batch_trees rows"]
+    log_q: Float[Array, "batch_trees rows C"]
 
 
-def node_children(tree: DraftTree) -> Bool[Array, "Tr R N"]:
-    """``[Tr, N + 1, N]`` bool: valid node ``n`` is a child of row ``r`` (row 0 = anchor)."""
+def node_children(tree: DraftTree) -> Bool[Array, "batch_trees rows N"]:
+    """``[batch_trees, N + 1, N]`` bool: valid node ``n`` is a child of row ``r`` (row 0 = anchor)."""
     rows = jnp.arange(tree.budget + 1, dtype=jnp.int32)
     return tree.valid[:, None, :] & ((tree.parents[:, None, :] + 1) == rows[None, :, None])
 
 
-def tree_child_logits(base: Float[Array, "Tr P V"], anchor: Int[Array, "Tr"], tree: DraftTree,
-                      markov_parent: Float[Array, "V R"], markov_child: Float[Array, "R V"]
-                      ) -> Float[Array, "Tr N+1 V"]:
+def tree_child_logits(base: Float[Array, "batch_trees P C"], anchor: Int[Array, "batch_trees"], tree: DraftTree,
+                      markov_parent: Float[Array, "V R"], markov_child: Float[Array, "R C"]
+                      ) -> Float[Array, "batch_trees rows C"]:
     """``ℓ_q(·|x_u) = U_{d_u} + A(x_u, ·)`` for the anchor and every node (full V).
 
     Children of a node at depth ``d`` are at depth ``d + 1``, drafted by slot ``d``; rows of
     nodes at depth ``P`` (which never have children) reuse slot ``P − 1``.
 
     Args:
-      base: ``[Tr, P, V]`` base logits of the block anchored at each tree's anchor.
-      anchor: ``[Tr]`` int anchor tokens.
-      tree: ``[Tr, N]`` the trees.
+      base: ``[batch_trees, P, V]`` base logits of the block anchored at each tree's anchor.
+      anchor: ``[batch_trees]`` int anchor tokens.
+      tree: ``[batch_trees, N]`` the trees.
       markov_parent, markov_child: the Markov head's ``E [V, R]`` and ``W [R, V]`` (``R = 0`` allowed).
     """
     tokens = jnp.concatenate([anchor[:, None], tree.tokens], axis=1).astype(jnp.int32)
@@ -123,11 +124,12 @@ def tree_child_logits(base: Float[Array, "Tr P V"], anchor: Int[Array, "Tr"], tr
     return rows + jnp.einsum("TUR,RV->TUV", markov_parent[tokens], markov_child).astype(base.dtype)
 
 
-def tree_edge_logits(child_logits: Float[Array, "Tr R V"], tree: DraftTree, anchor: Int[Array, "Tr"],
-                     edge_scale: Float[Array, "P"], edge_bias: Float[Array, "Tr P"],
+def tree_edge_logits(child_logits: Float[Array, "batch_trees rows C"], tree: DraftTree,
+                     anchor: Int[Array, "batch_trees"],
+                     edge_scale: Float[Array, "P"], edge_bias: Float[Array, "batch_trees P"],
                      parent_terms: Float[Array, "V"], child_terms: Float[Array, "V"],
-                     columns: Int[Array, "Tr N"] | None = None) -> Float[Array, "Tr N"]:
-    """Edge-head logit of every node as a child of its parent (``log q`` on the columns; ``[Tr, N]``).
+                     columns: Int[Array, "batch_trees N"] | None = None) -> Float[Array, "batch_trees N"]:
+    """Edge-head logit of every node as a child of its parent (``log q`` on the columns; ``[batch_trees, N]``).
 
     ``a_j · log q(x_n | x_parent) + (b + w_h·h_j) + w_t·E[x_parent] + w_x·E[x_n]`` with
     ``j = depth_n − 1`` (``tree.proposal.edge_logits`` on the drafter's columns). The head's factors
@@ -144,7 +146,8 @@ def tree_edge_logits(child_logits: Float[Array, "Tr R V"], tree: DraftTree, anch
             + parent_terms[parent_tokens] + child_terms[tree.tokens])
 
 
-def reach_from_edges(parents: Int[Array, "Tr N"], edge: Float[Array, "Tr N"]) -> Float[Array, "Tr R"]:
+def reach_from_edges(parents: Int[Array, "batch_trees N"], edge: Float[Array, "batch_trees N"]
+                     ) -> Float[Array, "batch_trees rows"]:
     """``r`` per row: 1 at the anchor, ``edge[n] · r[parent(n)]`` at node ``n`` (parents come first)."""
     tr, n = edge.shape
     batch = jnp.arange(tr)
@@ -156,22 +159,24 @@ def reach_from_edges(parents: Int[Array, "Tr N"], edge: Float[Array, "Tr N"]) ->
     return jax.lax.fori_loop(0, n, visit, reach)
 
 
-def greedy_edges(tree: DraftTree, columns: Int[Array, "Tr N"], top_columns: Int[Array, "Tr R"],
-                 dtype=jnp.float32) -> Float[Array, "Tr N"]:
+def greedy_edges(tree: DraftTree, columns: Int[Array, "batch_trees N"], top_columns: Int[Array, "batch_trees rows"],
+                 dtype=jnp.float32) -> Float[Array, "batch_trees N"]:
     """1 where a valid node holds the argmax of its parent's row, else 0 (both as logit columns)."""
     parent_top = jnp.take_along_axis(top_columns, tree.parents + 1, axis=1)
     return (tree.valid & (columns == parent_top)).astype(dtype)
 
 
-def match_edges(tree: DraftTree, columns: Int[Array, "Tr N"], log_p: Float[Array, "Tr R V"]) -> Float[Array, "Tr N"]:
+def match_edges(tree: DraftTree, columns: Int[Array, "batch_trees N"], log_p: Float[Array, "batch_trees rows C"]
+                ) -> Float[Array, "batch_trees N"]:
     """``p_parent(x_n)``: the probability that the target's draw at the parent is ``x_n``."""
     batch = jnp.arange(log_p.shape[0])[:, None]
     cols = jnp.clip(columns, 0, log_p.shape[-1] - 1)
     return jnp.where(tree.valid, jnp.exp(log_p[batch, tree.parents + 1, cols]), 0)
 
 
-def rejection_edges(tree: DraftTree, columns: Int[Array, "Tr N"], log_p: Float[Array, "Tr R V"],
-                    tail: Float[Array, "Tr R"], log_q: Float[Array, "Tr R V"], branch: int) -> Float[Array, "Tr N"]:
+def rejection_edges(tree: DraftTree, columns: Int[Array, "batch_trees N"], log_p: Float[Array, "batch_trees rows C"],
+                    tail: Float[Array, "batch_trees rows"], log_q: Float[Array, "batch_trees rows C"], branch: int
+                    ) -> Float[Array, "batch_trees N"]:
     """Exact probability that recursive rejection descends from the parent into each node.
 
     Siblings of draw rank ≥ ``branch`` are ignored, as the verifier ignores them. The target's
@@ -181,7 +186,7 @@ def rejection_edges(tree: DraftTree, columns: Int[Array, "Tr N"], log_p: Float[A
     batch = jnp.arange(log_p.shape[0])
     ranks = jnp.arange(branch, dtype=jnp.int32)
     ranked = node_children(tree)[:, :, None, :] & (tree.sibling_rank[:, None, None, :] == ranks[None, None, :, None])
-    present = jnp.any(ranked, axis=-1)  # [Tr, R, K]
+    present = jnp.any(ranked, axis=-1)  # [batch_trees, rows, branch]
     drawn = jnp.clip(columns, 0, log_p.shape[-1] - 1)[batch[:, None, None], jnp.argmax(ranked, axis=-1)]
     p = jnp.concatenate([jnp.exp(log_p), tail[..., None]], axis=-1)
     q = jnp.concatenate([jnp.exp(log_q), jnp.zeros_like(tail)[..., None]], axis=-1)
@@ -192,12 +197,12 @@ def rejection_edges(tree: DraftTree, columns: Int[Array, "Tr N"], log_p: Float[A
     return jnp.where(tree.valid & (tree.sibling_rank < branch), edge, 0)
 
 
-def verify_targets(child_logits: Float[Array, "Tr R V"], trees: LoggedTrees, rule: str,
+def verify_targets(child_logits: Float[Array, "batch_trees rows C"], trees: LoggedTrees, rule: str,
                    branch: int | None = None) -> VerifyTargets:
     """``r_u``, ``y_u``, ``log p_u`` and ``log q(·|x_u)`` of every row under ``rule`` (module docstring).
 
     Args:
-      child_logits: ``[Tr, N + 1, V]`` drafter child logits per row (``tree_child_logits``).
+      child_logits: ``[batch_trees, N + 1, C]`` drafter child logits per row (``tree_child_logits``).
       trees: the logged trees.
       rule: static, one of ``TREE_RULES``.
       branch: static most siblings per node the rejection rule tests (``None`` = ``N``).
@@ -231,7 +236,7 @@ def verify_targets(child_logits: Float[Array, "Tr R V"], trees: LoggedTrees, rul
     return VerifyTargets(reach=jax.lax.stop_gradient(reach), y=y, log_p=log_p, tail=tail, log_q=log_q)
 
 
-def coverage_threshold(child_logits: Float[Array, "... V"], k: Int[Array, "..."], max_children: int
+def coverage_threshold(child_logits: Float[Array, "... C"], k: Int[Array, "..."], max_children: int
                        ) -> Float[Array, "..."]:
     """``t_u = ½(ℓ_(k) + ℓ_(k+1))``: midpoint of the ``k``-th and ``(k+1)``-th largest logits.
 
@@ -250,7 +255,7 @@ def coverage_threshold(child_logits: Float[Array, "... V"], k: Int[Array, "..."]
     return 0.5 * (kth + after)
 
 
-def coverage_loss(child_logits: Float[Array, "... V"], y: Float[Array, "... V"], k: Int[Array, "..."],
+def coverage_loss(child_logits: Float[Array, "... C"], y: Float[Array, "... C"], k: Int[Array, "..."],
                   beta: float, max_children: int) -> Float[Array, "..."]:
     """``−log Σ_x y(x)·σ((ℓ(x) − t_u)/β)`` as a logsumexp of ``log y + log σ`` (≥ 0, ``[...]``).
 
@@ -262,15 +267,15 @@ def coverage_loss(child_logits: Float[Array, "... V"], y: Float[Array, "... V"],
     return -jax.nn.logsumexp(log_in, axis=-1, b=y)
 
 
-def tree_terms(child_logits: Float[Array, "Tr R V"], edge_logits: Float[Array, "Tr N"] | None,
+def tree_terms(child_logits: Float[Array, "batch_trees rows C"], edge_logits: Float[Array, "batch_trees N"] | None,
                trees: LoggedTrees, rule: str, cfg: LossConfig = LossConfig(), branch: int | None = None
                ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """The TreeSpark terms on logged trees: distillation, coverage, edge calibration.
 
     Args:
-      child_logits: ``[Tr, N + 1, V]`` ``ℓ_q(·|x_u)`` per row from the drafter block of the
+      child_logits: ``[batch_trees, N + 1, C]`` ``ℓ_q(·|x_u)`` per row from the drafter block of the
         tree's anchor with the Markov bias of ``x_u`` (``tree_child_logits``).
-      edge_logits: ``[Tr, N]`` edge-head logit of each node as a child of its parent, or ``None``
+      edge_logits: ``[batch_trees, N]`` edge-head logit of each node as a child of its parent, or ``None``
         for a drafter without an edge head (the term is left out).
       trees: the logged trees (``N < V``).
       rule: static, one of ``TREE_RULES``.
@@ -304,16 +309,16 @@ def tree_terms(child_logits: Float[Array, "Tr R V"], edge_logits: Float[Array, "
     return total, terms
 
 
-def treespark(q_logits: Float[Array, "B P V"], target_logits: Float[Array, "B P V"], labels: Int[Array, "B P"],
-              mask: Bool[Array, "B P"], child_logits: Float[Array, "Tr R V"],
-              edge_logits: Float[Array, "Tr N"] | None, trees: LoggedTrees, rule: str,
+def treespark(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"], labels: Int[Array, "B P"],
+              mask: Bool[Array, "B P"], child_logits: Float[Array, "batch_trees rows C"],
+              edge_logits: Float[Array, "batch_trees N"] | None, trees: LoggedTrees, rule: str,
               confidence_logits: Float[Array, "B P"] | None = None, cfg: LossConfig = LossConfig(),
               branch: int | None = None, target_lse: Float[Array, "B P"] | None = None
               ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """TreeSpark loss: ``dspark`` on the gold chain plus ``tree_terms`` on logged verified trees.
 
     Args: those of ``losses.chain.dspark`` (gold chain, ``[B, P, …]``, ``target_lse``) and of
-    ``tree_terms`` (``Tr`` trees verified with the static ``rule``).
+    ``tree_terms`` (``batch_trees`` trees verified with the static ``rule``).
 
     Returns:
       ``(total, terms)``: the union of both term dicts; ``total`` the sum of both totals.

@@ -13,13 +13,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from treespark_jax.config import ModelConfig
 from treespark_jax.models.kv_cache import KVCache, by_key_width, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import check_weights, expected_shapes
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Bool, Float, Int
 
 
@@ -28,7 +29,7 @@ def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(n.split(".", 2)[2] for n in expected_shapes(cfg) if n.startswith("layers.0."))
 
 
-@struct.dataclass
+@pytree_dataclass
 class DecoderOutput:
     """Result of one decoder call.
 
@@ -46,7 +47,7 @@ class DecoderOutput:
 
 
 def _leading_attention(layer: int, width: int, q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"],
-                       v: Float[Array, "L B K S E"], mask: Bool[Array, "B T S"]) -> Float[Array, "B T H E"]:
+                       v: Float[Array, "L B K S E"], mask: Bool[Array, "B #T S"]) -> Float[Array, "B T H E"]:
     """Attention of ``q`` over layer ``layer``'s first ``width`` cache slots."""
     return attention(q, k[layer, :, :, :width], v[layer, :, :, :width], mask[:, :, :width])
 
@@ -104,7 +105,7 @@ class Decoder(nnx.Module):
         return cls(cfg, weights, dtype)
 
     def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
-                 mask: Bool[Array, "B T S"], cache: KVCache, layer_ids: tuple[int, ...] = ()
+                 mask: Bool[Array, "B #T S"], cache: KVCache, layer_ids: tuple[int, ...] = ()
                  ) -> DecoderOutput:
         """Runs ``T`` new tokens per row against the cache.
 
@@ -120,7 +121,7 @@ class Decoder(nnx.Module):
           tokens: ``[B, T]`` int32 token ids.
           positions: ``[B, T]`` int32 RoPE positions (tokens from the sequence start).
           mask: ``[B, T, S]`` bool, True where query ``t`` may attend to cache slot ``s``; every
-            row needs at least one True.
+            row needs at least one True (``[B, 1, S]``: one mask for every query).
           cache: the KV cache (``S`` = capacity).
           layer_ids: static 0-based decoder layers whose outputs to return as features (layer
             ``l`` = output of decoder layer ``l``, not an embeddings-first list).

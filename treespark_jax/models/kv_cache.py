@@ -8,16 +8,16 @@ from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from treespark_jax.config import ModelConfig
 from treespark_jax.mesh import data_parallel
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Float, Int
 
 T = TypeVar("T")
 
 
-@struct.dataclass
+@pytree_dataclass
 class KVCache:
     """Keys and values of every layer, one contiguous run of committed slots per row.
 
@@ -107,7 +107,7 @@ def write_slots(buf: Float[Array, "L B K S E"], layer: int, slots: Int[Array, "B
     return data_parallel(write, (1, 0, 0), 1)(buf, slots, new)
 
 
-def move_slots(buf: Float[Array, "L B K S E"], src: Int[Array, "B X"], dst: Int[Array, "B X"]
+def move_slots(buf: Float[Array, "L B K S E"], src: Int[Array, "B _"], dst: Int[Array, "B _"]
                ) -> Float[Array, "L B K S E"]:
     """``buf`` with slot ``src[b, x]`` of row ``b`` copied to slot ``dst[b, x]`` in every layer
     (all reads before any write; destinations ≥ S are dropped). Row-parallel like ``write_slots``."""

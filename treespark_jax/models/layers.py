@@ -15,7 +15,7 @@ def rms_norm(x: Float[Array, "... D"], scale: Float[Array, "D"], eps: float) -> 
     return (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype) * scale
 
 
-def rope(x: Float[Array, "B T X E"], positions: Int[Array, "B T"], theta: float) -> Float[Array, "B T X E"]:
+def rope(x: Float[Array, "B T _heads E"], positions: Int[Array, "B T"], theta: float) -> Float[Array, "B T _heads E"]:
     """Rotary position embedding (Su et al., RoFormer) in the Hugging Face ``rotate_half`` layout.
 
     Args:
@@ -34,7 +34,7 @@ def rope(x: Float[Array, "B T X E"], positions: Int[Array, "B T"], theta: float)
 
 
 def attention(q: Float[Array, "B T H E"], k: Float[Array, "B K S E"], v: Float[Array, "B K S E"],
-              mask: Bool[Array, "B T S"]) -> Float[Array, "B T H E"]:
+              mask: Bool[Array, "B #T S"]) -> Float[Array, "B T H E"]:
     """Grouped-query softmax attention with an explicit boolean mask (True = may attend).
 
     Keys and values are head-major (``[B, K, S, E]``, the KV cache's layout): each kv head's

@@ -28,14 +28,15 @@ class Target:
       path: the checkpoint file or directory.
       cfg: architecture read from the checkpoint.
       model: the NNX decoder.
-      tokenizer: tokenizer and chat template of the checkpoint.
+      tokenizer: tokenizer and chat template of the checkpoint; ``None`` for a bare model made in
+        code (profiling a random target), which can decode token ids but not text.
     """
 
     name: str
     path: Path
     cfg: ModelConfig
     model: Decoder
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
 
 
 def load_target(preset_or_path: str, dtype: str = "float32") -> Target:

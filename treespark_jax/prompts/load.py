@@ -71,7 +71,7 @@ def split_eval_ids(set_name: str, ids: Sequence[str], *, seed: int = 0,
     return frozenset(sorted(ids, key=rank)[:eval_size])
 
 
-def load_prompts(source: str | Path, split: Split | None = None, *, seed: int = 0,
+def load_prompts(source: str | Path, split: str | None = None, *, seed: int = 0,
                  eval_size: int = DEFAULT_EVAL_SIZE) -> list[PromptRecord]:
     """Prompts of a pinned set's split, or every prompt of a JSONL file.
 
@@ -112,7 +112,7 @@ def load_prompts(source: str | Path, split: Split | None = None, *, seed: int = 
     return _read_jsonl_prompts(path)
 
 
-def _load_set(name: str, split: Split | None, seed: int, eval_size: int) -> list[PromptRecord]:
+def _load_set(name: str, split: str | None, seed: int, eval_size: int) -> list[PromptRecord]:
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not one of {', '.join(SPLITS)} for prompt set {name!r}.")
     records = read_set(name)

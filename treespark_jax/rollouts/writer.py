@@ -180,7 +180,7 @@ def target_features(model: Decoder, sequences: Sequence[Sequence[int]], layer_id
     return [(feats[i, :n], hidden[i, :n]) for i, n in enumerate(lens)]
 
 
-def record_arrays(model: Decoder, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+def record_arrays(model: Decoder, sequences: Sequence[Sequence[int] | np.ndarray], prompt_lens: Sequence[int],
                   layer_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """``(features, hidden, target_lse, target_top)`` of each sequence, the array fields of a
     rollout record (``make_record``), from one forward (``target_features``) and the LM head

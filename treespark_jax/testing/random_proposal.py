@@ -10,14 +10,15 @@ import jax
 import jax.numpy as jnp
 
 from treespark_jax.tree.proposal import Proposal
-from treespark_jax.typing import PRNGKeyArray
+from treespark_jax.typing import Array, Float, PRNGKeyArray
 
 
 @functools.partial(jax.jit, static_argnames=("batch", "block_size", "pool_size", "vocab", "markov_rank",
                                              "hidden_dim", "dtype"))
 def random_proposal(key: PRNGKeyArray, batch: int, block_size: int, pool_size: int, vocab: int,
-                    markov_rank: int, *, hidden_dim: int = 16, logit_scale: float = 2.0,
-                    markov_scale: float = 2.0, edge_spread: float = 1.0, dtype=jnp.float32) -> Proposal:
+                    markov_rank: int, *, hidden_dim: int = 16, logit_scale: float | Float[Array, ""] = 2.0,
+                    markov_scale: float | Float[Array, ""] = 2.0, edge_spread: float = 1.0,
+                    dtype=jnp.float32) -> Proposal:
     """Draws a Proposal whose child distributions are spread and depend on the parent token.
 
     Everything a drafter would compute is drawn instead, with the same structure: the pool of

@@ -1,9 +1,9 @@
 """Fixed-shape training batches cut from rollout records (host side, numpy).
 
 Each sequence contributes up to ``A`` gold-chain anchors and, from on-policy rollouts, up to
-``Tr`` logged verified trees; the drafter runs all of them in one packed forward
+``trees`` logged verified trees; the drafter runs all of them in one packed forward
 (``BlockDrafter.packed``), blocks never seeing each other. Every shape is fixed by
-``(B, T, A, Tr, N)``, so the train step compiles once.
+``(B, T, anchors, trees, N)``, so the train step compiles once.
 
 Anchors: positions ``a`` whose first label ``a + 1`` is a response token (``loss_mask[a + 1]``),
 drawn without replacement by the caller's generator; sequences longer than ``T`` are cut at
@@ -17,41 +17,41 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from flax import struct
 
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Bool, Float, Int
 
 
-@struct.dataclass
+@pytree_dataclass
 class TreeBatch:
-    """Logged verified trees, ``Tr`` per sequence (``anchor_pos = -1`` marks an unused slot).
+    """Logged verified trees, ``trees`` per sequence (``anchor_pos = -1`` marks an unused slot).
 
     Attributes:
-      anchor_pos: ``[B, Tr]`` int32 position of each tree's anchor in its sequence.
-      tokens, parents, depths, sibling_rank: ``[B, Tr, N]`` int32 tree arrays (DESIGN.md §1.2).
-      valid: ``[B, Tr, N]`` bool verified real nodes (all False for an unused slot).
-      accepted: ``[B, Tr, N]`` bool accepted nodes.
-      node_hidden: ``[B, Tr, N + 1, D]`` float32 target final-norm hidden state per verify row.
-      node_lse: ``[B, Tr, N + 1]`` float32 whole-vocabulary logsumexp per verify row at the rule's
+      anchor_pos: ``[B, trees]`` int32 position of each tree's anchor in its sequence.
+      tokens, parents, depths, sibling_rank: ``[B, trees, N]`` int32 tree arrays (DESIGN.md §1.2).
+      valid: ``[B, trees, N]`` bool verified real nodes (all False for an unused slot).
+      accepted: ``[B, trees, N]`` bool accepted nodes.
+      node_hidden: ``[B, trees, N + 1, D]`` float32 target final-norm hidden state per verify row.
+      node_lse: ``[B, trees, N + 1]`` float32 whole-vocabulary logsumexp per verify row at the rule's
         temperature (``rollouts.records``).
-      node_top: ``[B, Tr, N + 1]`` int32 the target's argmax token per verify row.
-      temperature: ``[B, Tr]`` float32 temperature the tree was verified at.
+      node_top: ``[B, trees, N + 1]`` int32 the target's argmax token per verify row.
+      temperature: ``[B, trees]`` float32 temperature the tree was verified at.
     """
 
-    anchor_pos: Int[Array, "B Tr"]
-    tokens: Int[Array, "B Tr N"]
-    parents: Int[Array, "B Tr N"]
-    depths: Int[Array, "B Tr N"]
-    sibling_rank: Int[Array, "B Tr N"]
-    valid: Bool[Array, "B Tr N"]
-    accepted: Bool[Array, "B Tr N"]
-    node_hidden: Float[Array, "B Tr N+1 D"]
-    node_lse: Float[Array, "B Tr N+1"]
-    node_top: Int[Array, "B Tr N+1"]
-    temperature: Float[Array, "B Tr"]
+    anchor_pos: Int[Array, "B trees"]
+    tokens: Int[Array, "B trees N"]
+    parents: Int[Array, "B trees N"]
+    depths: Int[Array, "B trees N"]
+    sibling_rank: Int[Array, "B trees N"]
+    valid: Bool[Array, "B trees N"]
+    accepted: Bool[Array, "B trees N"]
+    node_hidden: Float[Array, "B trees N+1 D"]
+    node_lse: Float[Array, "B trees N+1"]
+    node_top: Int[Array, "B trees N+1"]
+    temperature: Float[Array, "B trees"]
 
 
-@struct.dataclass
+@pytree_dataclass
 class TrainBatch:
     """One global training batch.
 
@@ -74,7 +74,7 @@ class TrainBatch:
     hidden: Float[Array, "B T D"]
     target_lse: Float[Array, "B T"]
     target_top: Int[Array, "B T"]
-    anchors: Int[Array, "B A"]
+    anchors: Int[Array, "B anchors"]
     trees: TreeBatch | None = None
 
 

@@ -37,7 +37,7 @@ def frequency_ranked_vocab(rollouts: RolloutSet, size: int, vocab_size: int) -> 
       vocab_size: V of the target.
 
     Returns:
-      ``[K]`` int32 distinct token ids.
+      ``[U]`` int32 distinct token ids.
 
     Raises:
       ValueError: ``size`` outside ``1..vocab_size``.

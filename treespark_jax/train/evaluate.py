@@ -40,7 +40,8 @@ CALIBRATION_BINS = 10
 """Equal-width bins of predicted edge survival in the edge calibration counts."""
 
 
-def gold_path_nodes(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Array, "K P"]) -> Bool[Array, "K N"]:
+def gold_path_nodes(tree: DraftTree, gold: Int[Array, "blocks P"], gold_ok: Bool[Array, "blocks P"]
+                    ) -> Bool[Array, "blocks N"]:
     """Which nodes lie on the gold path (the path greedy verification accepts).
 
     A node is on the gold path when its token is the gold token of its depth, that token is a
@@ -48,12 +49,12 @@ def gold_path_nodes(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Arra
     children (admission order), so one pass in node order decides every node.
 
     Args:
-      tree: ``[K, N]`` draft trees.
-      gold: ``[K, P]`` int32 gold token at depth ``j + 1``.
-      gold_ok: ``[K, P]`` bool the label exists (inside the rollout's response).
+      tree: ``[blocks, N]`` draft trees.
+      gold: ``[blocks, P]`` int32 gold token at depth ``j + 1``.
+      gold_ok: ``[blocks, P]`` bool the label exists (inside the rollout's response).
 
     Returns:
-      ``[K, N]`` bool.
+      ``[blocks, N]`` bool.
     """
     tree = jax.tree.map(jnp.asarray, tree)
     k, n = tree.tokens.shape
@@ -69,21 +70,22 @@ def gold_path_nodes(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Arra
 
 
 def _gold_hits(tree: DraftTree, gold, gold_ok):
-    """``[K, N]`` the node is valid and its token is the (real) gold token of its depth."""
+    """``[blocks, N]`` the node is valid and its token is the (real) gold token of its depth."""
     depth_ix = jnp.clip(tree.depths - 1, 0, gold.shape[1] - 1)
     return (tree.valid & (jnp.take_along_axis(gold, depth_ix, 1) == tree.tokens)
             & jnp.take_along_axis(gold_ok, depth_ix, 1))
 
 
-def gold_prefix_in_tree(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Array, "K P"]) -> Int[Array, "K"]:
+def gold_prefix_in_tree(tree: DraftTree, gold: Int[Array, "blocks P"], gold_ok: Bool[Array, "blocks P"]
+                        ) -> Int[Array, "blocks"]:
     """Length of the longest gold prefix the tree contains (0..max_depth) per row
-    (``gold_path_nodes``; arguments as there). Returns ``[K]`` int32."""
+    (``gold_path_nodes``; arguments as there). Returns ``[blocks]`` int32."""
     on_path = gold_path_nodes(tree, gold, gold_ok)
     return jnp.max(jnp.where(on_path, jnp.asarray(tree.depths), 0), axis=1)
 
 
-def edge_calibration(tree: DraftTree, gold: Int[Array, "K P"], gold_ok: Bool[Array, "K P"],
-                     used: Bool[Array, "K"]) -> tuple[Array, Array, Array]:
+def edge_calibration(tree: DraftTree, gold: Int[Array, "blocks P"], gold_ok: Bool[Array, "blocks P"],
+                     used: Bool[Array, "blocks"]) -> tuple[Array, Array, Array]:
     """Sums for a reliability diagram of the builder's edge survival (module docstring).
 
     Counts only nodes whose parent is accepted (the anchor, or a node on the gold path) and

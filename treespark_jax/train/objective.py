@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from treespark_jax.config import LOSSES
 from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
 from treespark_jax.losses.chain import (LossConfig, align_blocks, chain_acceptance, dflash, dspark, expected_chain_tau,
                                         markov_logits)
 from treespark_jax.losses.tree import LoggedTrees, tree_child_logits, tree_edge_logits, treespark
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.train.batches import TrainBatch
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.typing import Array, Bool, Float, Int
@@ -34,7 +34,7 @@ def _flat(x):
 
 
 def _markov_columns(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, dtype):
-    """The Markov head's ``E [V, R]`` and ``W [R, K]`` on the logit columns (``R = 0`` without one)."""
+    """The Markov head's ``E [V, R]`` and ``W [R, C]`` on the logit columns (``R = 0`` without one)."""
     markov = drafter.markov
     if markov is None:
         return jnp.zeros((head.embed.shape[0], 0), dtype), jnp.zeros((0, cols.embed.shape[0]), dtype)
@@ -43,7 +43,7 @@ def _markov_columns(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, d
 
 
 def _logged_trees(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, batch: TrainBatch, logits, hidden
-                  ) -> tuple[LoggedTrees, Float[Array, "Tr R V"], Float[Array, "Tr N"] | None]:
+                  ) -> tuple[LoggedTrees, Float[Array, "batch_trees rows C"], Float[Array, "batch_trees N"] | None]:
     """The trees of ``batch`` with the drafter's child logits and edge logits at their nodes."""
     t = batch.trees
     anchor_tok = _flat(jnp.take_along_axis(batch.tokens, jnp.maximum(t.anchor_pos, 0), axis=1))
@@ -62,7 +62,7 @@ def _logged_trees(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, bat
         terms = e.token_terms(head.embed)
         edge = tree_edge_logits(child_logits, tree, anchor_tok, e.scale[...], e.bias[...] + hidden @ e.w_hidden[...],
                                 terms[0], terms[1], columns)
-    target = cols.logits(_flat(t.node_hidden).astype(logits.dtype))  # [Tr, N + 1, K]
+    target = cols.logits(_flat(t.node_hidden).astype(logits.dtype))  # [batch_trees, N + 1, C]
     logged = LoggedTrees(tree=tree, accepted=_flat(t.accepted) & tree.valid, target_logits=target,
                          temperature=_flat(t.temperature), columns=columns)
     if cols.vocab_ids is not None:  # the argmax and the normaliser over the whole vocabulary, as stored
@@ -70,34 +70,34 @@ def _logged_trees(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, bat
     return logged, child_logits, edge
 
 
-@struct.dataclass
+@pytree_dataclass
 class GoldChain:
     """The drafter's gold-chain outputs, ``K = B·A`` blocks (flattened batch × anchors).
 
     Attributes:
-      base: ``[K, P, V]`` base logits ``U_j``.
-      q: ``[K, P, V]`` child logits ``U_j + A(t_prev, ·)`` teacher-forced with the gold parent
+      base: ``[blocks, P, C]`` base logits ``U_j``.
+      q: ``[blocks, P, C]`` child logits ``U_j + A(t_prev, ·)`` teacher-forced with the gold parent
         (``base`` without a Markov head).
-      target_logits: ``[K, P, V]`` the target's logits at rows ``a + j`` (frozen LM head).
-      target_lse: ``[K, P]`` their whole-vocabulary logsumexp when the columns are a draft
+      target_logits: ``[blocks, P, C]`` the target's logits at rows ``a + j`` (frozen LM head).
+      target_lse: ``[blocks, P]`` their whole-vocabulary logsumexp when the columns are a draft
         vocabulary (from the rollout), else ``None``.
-      confidence: ``[K, P]`` DSpark confidence logits, or ``None``.
-      labels: ``[K, P]`` the gold labels' logit columns (``V`` for a token outside the columns).
-      gold: ``[K, P]`` the gold labels' token ids.
-      mask, prev_tokens: ``[K, P]`` alignment (``losses.align_blocks``).
+      confidence: ``[blocks, P]`` DSpark confidence logits, or ``None``.
+      labels: ``[blocks, P]`` the gold labels' logit columns (``C`` for a token outside the columns).
+      gold: ``[blocks, P]`` the gold labels' token ids.
+      mask, prev_tokens: ``[blocks, P]`` alignment (``losses.align_blocks``).
 
-    ``V`` here is the number of logit columns: the vocabulary, or the draft vocabulary.
+    ``C`` is the logit columns: the vocabulary, or the draft vocabulary.
     """
 
-    base: Float[Array, "K P V"]
-    q: Float[Array, "K P V"]
-    target_logits: Float[Array, "K P V"]
-    target_lse: Float[Array, "K P"] | None
-    confidence: Float[Array, "K P"] | None
-    labels: Int[Array, "K P"]
-    gold: Int[Array, "K P"]
-    mask: Bool[Array, "K P"]
-    prev_tokens: Int[Array, "K P"]
+    base: Float[Array, "blocks P C"]
+    q: Float[Array, "blocks P C"]
+    target_logits: Float[Array, "blocks P C"]
+    target_lse: Float[Array, "blocks P"] | None
+    confidence: Float[Array, "blocks P"] | None
+    labels: Int[Array, "blocks P"]
+    gold: Int[Array, "blocks P"]
+    mask: Bool[Array, "blocks P"]
+    prev_tokens: Int[Array, "blocks P"]
 
 
 def gold_chain(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, out: DrafterOutput,

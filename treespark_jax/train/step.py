@@ -19,7 +19,8 @@ MLP width over ``model``), and the gradient mean over the global batch is an all
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -13,13 +13,13 @@ from treespark_jax.tree.accept_rejection import accept_rejection
 from treespark_jax.tree.acceptance import Acceptance
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.tree.proposal import Proposal
-from treespark_jax.typing import Array, Float, Int, PRNGKeyArray
+from treespark_jax.typing import Array, Float, Int, Key
 
 __all__ = ["Acceptance", "accept"]
 
 
-def accept(tree: DraftTree, logits: Float[Array, "B T V"], *, rule: VerifyRule, max_depth: int,
-           keys: PRNGKeyArray | None = None, temperature: Float[Array, "B"] | None = None,
+def accept(tree: DraftTree, logits: Float[Array, "B T V"], *, rule: VerifyRule | str, max_depth: int,
+           keys: Key[Array, "B"] | None = None, temperature: Float[Array, "B"] | None = None,
            top_p: Float[Array, "B"] | None = None, proposal: Proposal | None = None,
            anchor: Int[Array, "B"] | None = None, branch: int | None = None) -> Acceptance:
     """Accepts the longest drafted path the target agrees with, plus one bonus token per row.

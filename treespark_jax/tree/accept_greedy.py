@@ -10,7 +10,7 @@ from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.typing import Array, Float, Int
 
 
-def path_to_leaf(tree: DraftTree, leaf: Int[Array, "B"], max_depth: int) -> Int[Array, "B max_depth"]:
+def path_to_leaf(tree: DraftTree, leaf: Int[Array, "B"], max_depth: int) -> Int[Array, "B depth"]:
     """``[B, max_depth]`` int32 the nodes from depth 1 down to ``leaf[b]`` (``-1`` = anchor: empty).
 
     Climbs parents for a fixed ``max_depth`` steps, writing each node at column ``depth - 1``;

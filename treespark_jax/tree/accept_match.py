@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from treespark_jax.tree.acceptance import Acceptance, sampled_walk
 from treespark_jax.tree.arrays import DraftTree
-from treespark_jax.typing import Array, Bool, Float, PRNGKeyArray
+from treespark_jax.typing import Array, Bool, Float, Key
 
 
 def match_node_probs(tree: DraftTree, target: Float[Array, "B V"], children: Bool[Array, "B N"]
@@ -41,7 +41,7 @@ def match_node_probs(tree: DraftTree, target: Float[Array, "B V"], children: Boo
     return child_prob, jnp.where(is_child_token, 0, target)
 
 
-def accept_match(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyArray,
+def accept_match(tree: DraftTree, logits: Float[Array, "B T V"], keys: Key[Array, "B"],
                  temperature: Float[Array, "B"], top_p: Float[Array, "B"], max_depth: int) -> Acceptance:
     """Match-rule verification of any draft tree.
 

@@ -25,13 +25,13 @@ from treespark_jax.sampling import processed_logprobs
 from treespark_jax.tree.acceptance import Acceptance, sampled_walk
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.tree.proposal import Proposal, child_logits, child_pool_ids
-from treespark_jax.typing import Array, Bool, Float, Int, PRNGKeyArray
+from treespark_jax.typing import Array, Bool, Float, Int, Key
 
 RESIDUAL_FLOOR = 1e-6
 """Residual mass below which a rejection leaves ``p`` unchanged (DESIGN.md §1.3)."""
 
 
-def sibling_proposal(q: Float[Array, "... S"], removed: Bool[Array, "... S"]) -> Float[Array, "... S"]:
+def sibling_proposal(q: Float[Array, "... V"], removed: Bool[Array, "... V"]) -> Float[Array, "... V"]:
     """``q^(j)``: ``q`` with the earlier siblings' entries removed and renormalised.
 
     Args:
@@ -46,8 +46,8 @@ def sibling_proposal(q: Float[Array, "... S"], removed: Bool[Array, "... S"]) ->
     return jnp.where(mass > 0, kept / jnp.where(mass > 0, mass, 1), 0)
 
 
-def rejection_step(residual: Float[Array, "... S"], q: Float[Array, "... S"], child: Int[Array, "..."]
-                   ) -> tuple[Float[Array, "..."], Float[Array, "... S"]]:
+def rejection_step(residual: Float[Array, "... V"], q: Float[Array, "... V"], child: Int[Array, "..."]
+                   ) -> tuple[Float[Array, "..."], Float[Array, "... V"]]:
     """One acceptance test of recursive rejection sampling.
 
     Args:
@@ -69,8 +69,8 @@ def rejection_step(residual: Float[Array, "... S"], q: Float[Array, "... S"], ch
     return accept_prob, jnp.where(thin, residual, left / jnp.where(thin, 1, mass))
 
 
-def node_rejection(target: Float[Array, "... S"], q: Float[Array, "... S"], children: Int[Array, "... K"],
-                   present: Bool[Array, "... K"]) -> tuple[Float[Array, "... K"], Float[Array, "... S"]]:
+def node_rejection(target: Float[Array, "... V"], q: Float[Array, "... V"], children: Int[Array, "... branch"],
+                   present: Bool[Array, "... branch"]) -> tuple[Float[Array, "... branch"], Float[Array, "... V"]]:
     """All acceptance tests at one node, siblings in draw order (a ``lax.scan`` over ``K``).
 
     The tests do not depend on the coin flips, only on which siblings come first, so they are
@@ -165,7 +165,7 @@ def rejection_node_probs(tree: DraftTree, proposal: Proposal, anchor: Int[Array,
     return child_prob, survive[:, -1:] * vocab_residual
 
 
-def accept_rejection(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyArray,
+def accept_rejection(tree: DraftTree, logits: Float[Array, "B T V"], keys: Key[Array, "B"],
                      temperature: Float[Array, "B"], top_p: Float[Array, "B"], proposal: Proposal,
                      anchor: Int[Array, "B"], max_depth: int, branch: int | None = None) -> Acceptance:
     """Recursive-rejection verification of a tree whose children were sampled from the Proposal.

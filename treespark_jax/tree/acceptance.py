@@ -11,23 +11,23 @@ enumerate every outcome of a round with the very kernels the walk uses.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.sampling import processed_logprobs
 from treespark_jax.streams import STREAM_ACCEPT, STREAM_RESIDUAL, purpose_keys
 from treespark_jax.tree.arrays import DraftTree
-from treespark_jax.typing import Array, Bool, Float, Int, PRNGKeyArray
+from treespark_jax.typing import Array, Bool, Float, Int, Key
 
 NodeProbs = Callable[[Int[Array, "B"], Float[Array, "B V"], Bool[Array, "B N"]],
                      tuple[Float[Array, "B N"], Float[Array, "B V"]]]
 """``(node, target, children) -> (child_prob, bonus_prob)``; see ``sampled_walk``."""
 
 
-@struct.dataclass
+@pytree_dataclass
 class Acceptance:
     """What one verification round accepts, per batch row.
 
@@ -42,14 +42,14 @@ class Acceptance:
       accepted: ``[B, N]`` bool, node slot is on the accepted path (for logging).
     """
 
-    path: Int[Array, "B max_depth"]
-    path_tokens: Int[Array, "B max_depth"]
+    path: Int[Array, "B depth"]
+    path_tokens: Int[Array, "B depth"]
     n_accepted: Int[Array, "B"]
     bonus: Int[Array, "B"]
     accepted: Bool[Array, "B N"]
 
 
-def acceptance_from_path(tree: DraftTree, path: Int[Array, "B max_depth"], bonus: Int[Array, "B"]
+def acceptance_from_path(tree: DraftTree, path: Int[Array, "B depth"], bonus: Int[Array, "B"]
                          ) -> Acceptance:
     """Completes an ``Acceptance`` from its path ``[B, max_depth]`` (``-1`` padded) and bonus ``[B]``."""
     on_path = path >= 0
@@ -69,7 +69,7 @@ def children_of(tree: DraftTree, node: Int[Array, "B"], max_depth: int) -> Bool[
     return tree.valid & (tree.parents == node[:, None]) & (tree.depths <= max_depth)
 
 
-def sampled_walk(tree: DraftTree, logits: Float[Array, "B T V"], keys: PRNGKeyArray,
+def sampled_walk(tree: DraftTree, logits: Float[Array, "B T V"], keys: Key[Array, "B"],
                  temperature: Float[Array, "B"], top_p: Float[Array, "B"], max_depth: int,
                  node_probs: NodeProbs) -> Acceptance:
     """Walks every row from the anchor down the tree, one depth per step, drawing each decision.

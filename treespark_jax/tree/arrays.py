@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from flax import struct
-
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Bool, Float, Int
 
 
-@struct.dataclass
+@pytree_dataclass
 class DraftTree:
     """A batch of draft trees with exactly ``N`` node slots per row, in admission order.
 

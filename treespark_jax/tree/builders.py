@@ -29,10 +29,10 @@ from treespark_jax.streams import STREAM_DRAFT, purpose_keys
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.tree.best_first import best_first
 from treespark_jax.tree.proposal import Proposal
-from treespark_jax.typing import Array, Float, Int, PRNGKeyArray
+from treespark_jax.typing import Array, Float, Int, Key
 
 
-def draft_gumbel(keys: PRNGKeyArray, budget: int, pool_size: int, dtype) -> Float[Array, "B N M"]:
+def draft_gumbel(keys: Key[Array, "B"], budget: int, pool_size: int, dtype) -> Float[Array, "B N M"]:
     """Standard Gumbel noise for sampled children: row ``n`` serves the node expanded ``n``-th.
 
     Args:
@@ -50,9 +50,10 @@ def draft_gumbel(keys: PRNGKeyArray, budget: int, pool_size: int, dtype) -> Floa
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rule"))
-def build_tree(proposal: Proposal, anchor_token: Int[Array, "B"], cfg: TreeConfig, *, rule: VerifyRule,
-               temperature: Float[Array, "B"] | float = 1.0, top_p: Float[Array, "B"] | float = 1.0,
-               keys: PRNGKeyArray | None = None) -> DraftTree:
+def build_tree(proposal: Proposal, anchor_token: Int[Array, "B"], cfg: TreeConfig, *, rule: VerifyRule | str,
+               temperature: Float[Array, "B"] | Float[Array, ""] | float = 1.0,
+               top_p: Float[Array, "B"] | Float[Array, ""] | float = 1.0,
+               keys: Key[Array, "B"] | None = None) -> DraftTree:
     """Builds the round's draft trees: exactly ``cfg.budget`` node slots per row, in admission order.
 
     Nodes come in admission order, so parents precede children and every prefix of the slots is

@@ -139,7 +139,7 @@ def survival_model(proposal: Proposal, builder: Builder, temperature: Float[Arra
 
 
 def sampled_slot_log_survival(logq: Float[Array, "B M"], log_s: Float[Array, "B M"],
-                              drawn: Int[Array, "B K"]) -> Float[Array, "B K"]:
+                              drawn: Int[Array, "B branch"]) -> Float[Array, "B branch"]:
     """Non-anticipating log survival of the ``k``-th drawn child: ``log E[s(x_k) | x_0..x_{k-1}]``.
 
     Slot ``k`` reads ``drawn[:, :k]`` only (never ``drawn[:, k]`` or later), so whether it is
@@ -172,7 +172,7 @@ def sampled_slot_log_survival(logq: Float[Array, "B M"], log_s: Float[Array, "B 
 def offer_children(proposal: Proposal, survival: SurvivalModel, depth: Int[Array, "B"],
                    parent_token: Int[Array, "B"], parent_score: Float[Array, "B"], temperature: Float[Array, "B"],
                    top_p: Float[Array, "B"], branch: int, gumbel: Float[Array, "B M"] | None
-                   ) -> tuple[Int[Array, "B K"], Float[Array, "B K"]]:
+                   ) -> tuple[Int[Array, "B branch"], Float[Array, "B branch"]]:
     """The ``K = min(branch, M)`` child slots of one node per row, in sibling order.
 
     Args:

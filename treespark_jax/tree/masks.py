@@ -29,7 +29,7 @@ def ancestor_matrix(tree: DraftTree, max_depth: int) -> Bool[Array, "B N N"]:
 
 
 def verify_inputs(tree: DraftTree, anchor: Int[Array, "B"], lengths: Int[Array, "B"], capacity: int,
-                  max_depth: int) -> tuple[Int[Array, "B R"], Int[Array, "B R"], Bool[Array, "B R S"]]:
+                  max_depth: int) -> tuple[Int[Array, "B rows"], Int[Array, "B rows"], Bool[Array, "B rows S"]]:
     """Tokens, RoPE positions and attention mask for verifying ``tree`` in one target call.
 
     Args:
@@ -40,9 +40,9 @@ def verify_inputs(tree: DraftTree, anchor: Int[Array, "B"], lengths: Int[Array, 
       max_depth: static deepest depth in ``tree``.
 
     Returns:
-      ``(tokens, positions, mask)`` with ``R = N + 1`` rows: tokens ``[B, R]`` int32; positions
-      ``lengths + depth`` (padding rows get position 0, never a real one) ``[B, R]`` int32; mask
-      ``[B, R, S]`` bool over cache slots.
+      ``(tokens, positions, mask)`` with ``N + 1`` rows: tokens ``[B, rows]`` int32; positions
+      ``lengths + depth`` (padding rows get position 0, never a real one) ``[B, rows]`` int32; mask
+      ``[B, rows, S]`` bool over cache slots.
     """
     b, n = tree.tokens.shape
     tokens = jnp.concatenate([anchor[:, None], tree.tokens], axis=1)
@@ -52,9 +52,9 @@ def verify_inputs(tree: DraftTree, anchor: Int[Array, "B"], lengths: Int[Array, 
 
     # Row-to-row visibility among the R new rows: column 0 is the anchor.
     anc = ancestor_matrix(tree, max_depth)
-    rows = jnp.concatenate([jnp.zeros((b, 1, n), bool), anc], axis=1)  # [B, R, N]
+    rows = jnp.concatenate([jnp.zeros((b, 1, n), bool), anc], axis=1)  # [B, rows, N]
     sees_anchor = valid[:, :, None]
-    block = jnp.concatenate([sees_anchor, rows], axis=2)  # [B, R, R]
+    block = jnp.concatenate([sees_anchor, rows], axis=2)  # [B, rows, rows]
 
     slot = jnp.arange(capacity, dtype=jnp.int32)[None, None, :]
     rel = slot - lengths[:, None, None]  # which new row a slot holds

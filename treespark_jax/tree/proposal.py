@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Float, Int
 
 
-@struct.dataclass
+@pytree_dataclass
 class Proposal:
     """Drafter output for one round, for every batch row.
 
@@ -68,8 +68,8 @@ class Proposal:
         return self.confidence_parent is not None
 
 
-def child_logits(proposal: Proposal, depth: Int[Array, "B X"], parent_token: Int[Array, "B X"]
-                 ) -> Float[Array, "B X M"]:
+def child_logits(proposal: Proposal, depth: Int[Array, "B queries"], parent_token: Int[Array, "B queries"]
+                 ) -> Float[Array, "B queries M"]:
     """Unnormalised draft logits over the depth's pool for children of ``X`` parents per row.
 
     ``q_depth(x | t) = softmax_pool(U_{depth-1}[x] + A(t, x))`` (DESIGN.md §1.1). Temperature and
@@ -77,46 +77,46 @@ def child_logits(proposal: Proposal, depth: Int[Array, "B X"], parent_token: Int
 
     Args:
       proposal: the round's Proposal.
-      depth: ``[B, X]`` int32 depth of the children, in ``1..P`` (the parent is at ``depth - 1``;
+      depth: ``[B, queries]`` int32 depth of the children, in ``1..P`` (the parent is at ``depth - 1``;
         depth 1 children hang off the anchor).
-      parent_token: ``[B, X]`` int32 token held by each parent.
+      parent_token: ``[B, queries]`` int32 token held by each parent.
 
     Returns:
-      ``[B, X, M]`` logits aligned with ``pool_ids[:, depth - 1]``; ``-inf`` for non-candidates.
+      ``[B, queries, M]`` logits aligned with ``pool_ids[:, depth - 1]``; ``-inf`` for non-candidates.
     """
     slot = depth - 1
-    base = jnp.take_along_axis(proposal.pool_logits, slot[..., None], axis=1)  # [B, X, M]
-    w = jax.vmap(lambda mc, s: mc[s])(proposal.markov_child, slot)  # [B, X, R, M]
-    e = proposal.markov_parent[parent_token]  # [B, X, R]
+    base = jnp.take_along_axis(proposal.pool_logits, slot[..., None], axis=1)  # [B, queries, M]
+    w = jax.vmap(lambda mc, s: mc[s])(proposal.markov_child, slot)  # [B, queries, R, M]
+    e = proposal.markov_parent[parent_token]  # [B, queries, R]
     return base + jnp.einsum("BXR,BXRM->BXM", e, w)
 
 
-def child_pool_ids(proposal: Proposal, depth: Int[Array, "B X"]) -> Int[Array, "B X M"]:
+def child_pool_ids(proposal: Proposal, depth: Int[Array, "B queries"]) -> Int[Array, "B queries M"]:
     """Token ids of the pool at ``depth`` (1-based), aligned with ``child_logits``."""
     return jnp.take_along_axis(proposal.pool_ids, (depth - 1)[..., None], axis=1)
 
 
-def edge_logits(proposal: Proposal, depth: Int[Array, "B X"], parent_token: Int[Array, "B X"]
-                ) -> Float[Array, "B X M"]:
+def edge_logits(proposal: Proposal, depth: Int[Array, "B queries"], parent_token: Int[Array, "B queries"]
+                ) -> Float[Array, "B queries M"]:
     """Edge-head logits ``logit e(x | t)`` for every pool child of ``X`` parents per row.
 
     ``e_j(x | t) = σ(a_j · log q_{j+1}(x | t) + w · [h_j ; E[t] ; E[x]] + b)`` with ``j = depth - 1``
     (TreeSpark edge head, DESIGN.md §1.1). With ``w = 0`` this is Platt scaling of ``q``.
 
     Returns:
-      ``[B, X, M]`` float logits; non-candidates get ``-inf``.
+      ``[B, queries, M]`` float logits; non-candidates get ``-inf``.
     """
     slot = depth - 1
     logq = jax.nn.log_softmax(child_logits(proposal, depth, parent_token), axis=-1)
-    a = proposal.edge_scale[slot][..., None]  # [B, X, 1]
+    a = proposal.edge_scale[slot][..., None]  # [B, queries, 1]
     bias = jnp.take_along_axis(proposal.edge_bias, slot, axis=1)[..., None]
     child = jnp.take_along_axis(proposal.edge_child, slot[..., None], axis=1)
     out = a * logq + bias + proposal.edge_parent[parent_token][..., None] + child
     return jnp.where(jnp.isfinite(logq), out, -jnp.inf)
 
 
-def confidence_logits(proposal: Proposal, depth: Int[Array, "B X"], parent_token: Int[Array, "B X"]
-                      ) -> Float[Array, "B X"]:
+def confidence_logits(proposal: Proposal, depth: Int[Array, "B queries"], parent_token: Int[Array, "B queries"]
+                      ) -> Float[Array, "B queries"]:
     """DSpark confidence ``logit c_j = w · [h_j ; E[t]] + b`` for a depth-``depth`` child of ``t``.
 
     ``c_j`` (``j = depth - 1``) is P(the depth-``depth`` draft is accepted | its parent, holding

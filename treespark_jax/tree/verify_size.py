@@ -30,7 +30,7 @@ def expected_accepted(tree: DraftTree) -> Float[Array, "B N"]:
 
 
 def choose_verify_size(expected_accepted: Float[Array, "B N"], ladder: tuple[int, ...],
-                       cost_per_rung: Float[Array, "R"], draft_cost: Float[Array, ""] | float, *,
+                       cost_per_rung: Float[Array, "rungs"], draft_cost: Float[Array, ""] | float, *,
                        non_anticipating: bool = False) -> Int[Array, ""]:
     """Index of the smallest ladder rung ``≥ max_b n*_b``, where ``n*_b`` maximises
     ``(1 + expected_accepted[b, n − 1]) / (C_d + C_v(n))``.
@@ -75,7 +75,7 @@ def choose_verify_size(expected_accepted: Float[Array, "B N"], ladder: tuple[int
         raise ValueError(f"cost_per_rung has shape {cost.shape}; expected ({len(ladder)},), one per rung.")
     sizes = jnp.asarray(ladder, jnp.int32)
     if not non_anticipating:
-        ratio = (1 + expected_accepted[:, sizes - 1]) / (draft_cost + cost)  # [B, R]
+        ratio = (1 + expected_accepted[:, sizes - 1]) / (draft_cost + cost)  # [B, rungs]
         return jnp.max(jnp.argmax(ratio, axis=1)).astype(jnp.int32)
     verify_cost = jnp.interp(jnp.arange(1, n + 1, dtype=cost.dtype), sizes.astype(cost.dtype), cost)
     ratio = (1 + expected_accepted) / (draft_cost + verify_cost)  # [B, N], column n - 1 = size n
