@@ -122,6 +122,7 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from specs import spec as speculation
     from tiny import SPEC_PROMPTS, tiny_decoder
+    from train_checks import jitted_grads
     from treespark_jax.config import DrafterConfig, TrainConfig, TreeConfig
     from treespark_jax.decode.engine import Engine
     from treespark_jax.drafter.block_proposer import BlockProposer
@@ -230,7 +231,7 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
         rules = Partitioner.for_model(mesh, loaded.cfg)
         step = TrainStep(graphdef, tx, "dspark", LossConfig(), None, mesh, rules)
         head_on_mesh = jax.device_put(head, replicated(mesh))
-        _, grads = step.jitted_grads(state0["params"])(rules.place(state0["params"]), head_on_mesh,
+        _, grads = jitted_grads(step, state0["params"])(rules.place(state0["params"]), head_on_mesh,
                                                          global_batch(ds[0], mesh), None)
         state = rules.place(jax.tree.map(jnp.copy, state0))
         update = step.jitted(state)
@@ -340,6 +341,9 @@ TWO_HOST_SCRIPT = textwrap.dedent("""
     from treespark_jax.train.parallel import global_batch
     from treespark_jax.train.step import TrainStep, init_state
 
+    sys.path.insert(0, "tests")  # the working directory is the repository
+    from train_checks import jitted_grads
+
     hf, rollouts, out, mesh_arg = sys.argv[1:5]
     # `treespark train` itself: it starts the distributed runtime from JAX_COORDINATOR_ADDRESS & co.
     assert main(["train", "--target", hf, "--rollouts", rollouts, "--loss", "dspark", "--out", out + "/run",
@@ -360,7 +364,7 @@ TWO_HOST_SCRIPT = textwrap.dedent("""
     ds = train_dataset(rs, cfg, process_index=block, process_count=blocks)
     head = jax.device_put(TargetHead.of(loaded.model, jnp.float32), replicated(mesh))
     step = TrainStep(graphdef, tx, "dspark", LossConfig(), None, mesh, rules)
-    _, grads = step.jitted_grads(state["params"])(rules.place(state["params"]), head, global_batch(ds[0], mesh), None)
+    _, grads = jitted_grads(step, state["params"])(rules.place(state["params"]), head, global_batch(ds[0], mesh), None)
     grads = _host(grads)
     state = rules.place(state)
     update = step.jitted(state)

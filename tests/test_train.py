@@ -357,6 +357,9 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     from treespark_jax.train.parallel import data_mesh, global_batch
     from treespark_jax.train.step import TrainStep, init_state
 
+    sys.path.insert(0, "tests")  # the working directory is the repository
+    from train_checks import jitted_grads
+
     assert jax.device_count() == 8
     hf, rollouts, out = sys.argv[1:4]
     target = load_target(hf)
@@ -373,7 +376,7 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     for n in (1, 8):
         mesh = data_mesh(n)
         step = TrainStep(graphdef, tx, "dspark", LossConfig(), None, mesh)
-        _, grads = step.jitted_grads()(state0["params"], head, global_batch(ds[0], mesh), None)
+        _, grads = jitted_grads(step)(state0["params"], head, global_batch(ds[0], mesh), None)
         state = jax.device_put(jax.tree.map(jnp.copy, state0), replicated(mesh))
         update = step.jitted()
         for s in range(5):

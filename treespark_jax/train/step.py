@@ -105,11 +105,3 @@ class TrainStep:
         layout = repl if state is None else self.rules.shardings(state)
         return jax.jit(self.update, donate_argnums=0,
                        in_shardings=(layout, repl, batch_sharding(self.mesh), repl), out_shardings=(layout, repl))
-
-    def jitted_grads(self, params: Any = None) -> Callable:
-        """``loss_and_grads`` compiled for the mesh, for checks: ``params`` (or their shapes) give
-        the layout of the parameters and the gradients (``None``: replicated)."""
-        repl = replicated(self.mesh)
-        layout = repl if params is None else self.rules.shardings(params)
-        return jax.jit(self.loss_and_grads, in_shardings=(layout, repl, batch_sharding(self.mesh), repl),
-                       out_shardings=(repl, layout))
