@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import jax
+import jaxtyping
 import pytest
 
 # The CLI tests call ``load``, which turns on JAX's persistent compilation cache for the whole
@@ -25,6 +26,16 @@ def smollm2_gguf() -> Path:
     from treespark_jax.models.presets import preset_path
 
     return preset_path("smollm2-135m")
+
+
+@pytest.fixture
+def unchecked():
+    """The package's annotation checks off for one test (``pyproject.toml`` turns them on for the
+    session): for tests of the library's own refusal of wrong types, which is what a user, who runs
+    without the checker, meets."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
 
 
 @pytest.fixture(scope="module")

@@ -179,7 +179,7 @@ def test_a_refused_file_system_call_is_one_line_and_exit_1(capsys, monkeypatch):
     assert capsys.readouterr().err == "treespark: error: cannot access /root/x.json: Permission denied.\n"
 
 
-def test_api_refuses_prompts_that_are_not_text_or_are_blank_chat_turns(preset):
+def test_api_refuses_prompts_that_are_not_text_or_are_blank_chat_turns(preset, unchecked):
     from treespark_jax.api import load
 
     lm = load(preset)

@@ -137,7 +137,7 @@ def test_binding_of_a_loaded_target(tmp_path, target):
                     tokenizer=None)
     assert TargetBinding.of(preset).weights_sha256 == PRESETS["smollm2-135m"].asset.sha256
     with pytest.raises(ValueError, match="no \\*.safetensors"):
-        TargetBinding.of(Target(name="x", path=tmp_path / "hf" / "..", cfg=target.cfg, model=None, tokenizer=None))
+        TargetBinding.of(Target(name="x", path=tmp_path / "hf" / "..", cfg=target.cfg, model=target, tokenizer=None))
 
 
 def test_existing_path_is_refused_unless_overwrite(tmp_path, saved, drafter, binding):

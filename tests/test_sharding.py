@@ -76,9 +76,8 @@ def test_rules_shard_heads_and_mlp_over_model_and_replicate_what_does_not_divide
     three = Partitioner.for_model(_abstract(2, 4).mesh, tiny_config("qwen3", n_heads=3, n_kv_heads=1))
     assert three.spec(("D", "H*E"), (48, 48)) == P(None, None)
 
-    cache = KVCache(k=jax.ShapeDtypeStruct((3, 8, 2, 128, 16), jnp.float32),
-                    v=jax.ShapeDtypeStruct((3, 8, 2, 128, 16), jnp.float32),
-                    lengths=jax.ShapeDtypeStruct((8,), jnp.int32))
+    cache = jax.eval_shape(lambda: KVCache(k=jnp.zeros((3, 8, 2, 128, 16)), v=jnp.zeros((3, 8, 2, 128, 16)),
+                                           lengths=jnp.zeros((8,), jnp.int32)))
     assert _specs(_abstract(2, 4), cache).k == P(None, "data", None, None, None)
     assert _specs(_abstract(4, 2), cache).v == P(None, "data", "model", None, None)
     assert _specs(_abstract(4, 2), cache).lengths == P("data")

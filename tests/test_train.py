@@ -259,7 +259,8 @@ def test_a_draft_vocabulary_run_saves_its_drafter_with_the_vocabulary(tmp_path, 
     capsys.readouterr()
 
 
-def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, tiny_dir, rollouts, other_rollouts):
+def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, tiny_dir, rollouts, other_rollouts,
+                                                             unchecked):
     other_hf, other = other_rollouts
     out = tmp_path / "out"
     base = ["--out", out, "--steps", "3"]

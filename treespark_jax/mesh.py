@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["DATA", "MODEL", "MeshShape", "batch_sharding", "data_parallel", "make_mesh", "maybe_initialize_distributed",
            "parse_mesh", "process_data_block", "replicated"]
@@ -108,12 +108,12 @@ def make_mesh(shape: MeshShape | str | None = None, devices: Sequence[jax.Device
     return Mesh(np.asarray(ordered, dtype=object).reshape(data, model), (DATA, MODEL), axis_types=_AUTO)
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
+def replicated(mesh: Mesh | AbstractMesh) -> NamedSharding:
     """Every device holds the whole array."""
     return NamedSharding(mesh, PartitionSpec())
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
+def batch_sharding(mesh: Mesh | AbstractMesh) -> NamedSharding:
     """The leading (batch) dimension split over ``data`` (replicated over ``model``)."""
     return NamedSharding(mesh, PartitionSpec(DATA))
 

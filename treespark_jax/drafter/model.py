@@ -57,7 +57,7 @@ class TargetHead:
         head = target.lm_head[...].astype(dtype) if not target.cfg.tie_embeddings else None
         return cls(embed=target.embed[...].astype(dtype), lm_head=head)
 
-    def logits(self, hidden: Float[Array, "*batch D"]) -> Float[Array, "*batch C"]:
+    def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... C"]:
         """LM-head logits of final-norm hidden states."""
         return lm_logits(hidden, self.embed, self.lm_head)
 

@@ -157,7 +157,7 @@ def target_normalisers(head: TargetHead, hidden: np.ndarray, temperature: float 
             np.concatenate([p[1][0] for p in parts])[:n].astype(np.int32))
 
 
-def target_features(model: Decoder, sequences: Sequence[Sequence[int]], layer_ids: Sequence[int]
+def target_features(model: Decoder, sequences: Sequence[Sequence[int] | np.ndarray], layer_ids: Sequence[int]
                     ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per-token target features of whole sequences from one causal forward of the batch.
 
