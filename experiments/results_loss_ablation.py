@@ -44,7 +44,8 @@ def _ablation_row(data: Path, name: str, ev: dict) -> str:
 
 
 def loss_ablation(data: Path) -> str | None:
-    """The table of ``experiments/train_drafters.sh ablate`` (offline τ on GSM8K eval), if it ran."""
+    """The table of ``experiments/train_drafters.sh ablate`` (offline τ on GSM8K eval) and each variant
+    against the dspark drafter it started from, if it ran; the page's template says how it was made."""
     evals = {name: json.loads((data / f"ablate-{name}" / "eval.json").read_text()) for name in ABLATIONS
              if (data / f"ablate-{name}" / "eval.json").is_file()}
     if not evals:
@@ -56,14 +57,10 @@ def loss_ablation(data: Path) -> str | None:
         lines += [""] + [f"- {name} against start: chain τ {evals['start']['chain_tau']:.3f} → {ev['chain_tau']:.3f}, "
                          f"tree τ {fmt(evals['start']['tree_tau'], '.3f')} → {fmt(ev['tree_tau'], '.3f')}"
                          for name, ev in evals.items() if name != "start"]
-    return ("Each variant: the treespark loss from the dspark drafter for the steps in its row, on the same data "
-            "(`experiments/train_drafters.sh ablate`); `shipped` and `shipped_no_tree_terms` differ only in the "
-            "tree terms, as do the shorter runs among themselves. Scored offline by `treespark eval-drafter` on the "
-            "GSM8K held-out rollouts (greedy; tree τ = 1 + the longest gold prefix inside the treespark builder's "
-            "tree of all N nodes, no cost-aware stop).\n\n" + "\n".join(lines))
+    return "\n".join(lines)
 
 
-LOSS_ABLATION_HEAD = "## Loss-term ablation"
+LOSS_ABLATION_HEAD = "## Loss-term ablation"  # the heading templates/RESULTS.md.j2 gives the section
 LOSS_ABLATION_NOT_RUN = "Not run yet: `experiments/train_drafters.sh ablate` makes it."
 CARRIED_MARK = "Carried over from"  # how a carried-over table starts, whatever the rest of the wording
 CARRIED_OVER = (f"{CARRIED_MARK} an earlier render of this page (see its git history): the runs it was made "

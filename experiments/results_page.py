@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
+import jinja2
 import matplotlib
 
 matplotlib.use("Agg")
@@ -22,17 +22,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))  # the sibling modules, when this file is imported by a test
 
-from results_loss_ablation import LOSS_ABLATION_HEAD, LOSS_ABLATION_NOT_RUN, loss_ablation, previous_loss_ablation  # noqa: E402
+from results_loss_ablation import (LOSS_ABLATION_HEAD, LOSS_ABLATION_NOT_RUN, loss_ablation,  # noqa: E402
+                                   previous_loss_ablation)
 from results_measure import PRESET, TAU_TOL, checked_rows  # noqa: E402
-from results_tables import fmt, others_words, table, verdicts  # noqa: E402
+from results_tables import others_words, reproduction, table, verdicts  # noqa: E402
 
-
-def equal_budget_line(folder: str = "") -> str:
-    """Where τ at equal budget is, for a page in ``experiments/`` (``folder=""``) or at the
-    repository root (``folder="experiments/"``)."""
-    return ("τ here is that of the methods as shipped (draft skipping on, the cost-aware stop on for dspark and "
-            "treespark). τ at equal budget, with every method drafting every round and verifying its whole budget, "
-            f"is on [TAU_EQUAL_BUDGET.md]({folder}TAU_EQUAL_BUDGET.md) (`python experiments/tau_equal_budget.py`).")
+# The page is edited as a page: its prose lives in the templates, the numbers and tables come in as variables.
+TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), undefined=jinja2.StrictUndefined,
+                               keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+FLAGS = ("sets", "temps", "limit", "max_new_tokens", "budgets", "repeats")  # the flags the page quotes
+README_START, README_END = "<!-- RESULTS TABLE -->", "<!-- /RESULTS TABLE -->"
 
 
 def plot(results: dict, sets: list[str], path: Path) -> None:
@@ -61,114 +60,47 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def reproduction(out: Path) -> list[str]:
-    """The page's reproduction section from ``out/reproduction.json`` (``--check``), if it ran."""
-    rows = checked_rows(out)
-    if not rows:
-        return ["Not checked yet: `python experiments/results.py --check --sets SET --temps T` measures a table "
-                "again and fills this section.", ""]
-    ok = sum(r["reproduced"] for r in rows)
-    by_date: dict[str, dict] = {}
-    for r in rows:
-        by_date.setdefault(str(r["date"]), {})[f"{r['set']} temp {r['temp']:g}"] = None
-    when = " and ".join(f"{', '.join(tables)} on {date}" for date, tables in sorted(by_date.items()))
-    d_tau = max(abs(r["tau"][1] - r["tau"][0]) for r in rows)
-    d_speed = [abs(r["speedup"][1] - r["speedup"][0]) for r in rows]
-    lines = [f"`--check` measured {when} again ({others_words([r['others_cpu'] for r in rows])}): "
-             f"{ok} of {len(rows)} rows reproduced within the stated noise "
-             f"(|Δτ| ≤ {TAU_TOL}, |Δspeedup| ≤ the larger IQR of the two runs). Against the page, τ moved by "
-             f"{d_tau:.2f} at most, and a speedup by {max(d_speed):.2f} at most "
-             f"(median {statistics.median(d_speed):.2f}).", "",
-             "| table | method | budget | τ page → again | speedup page → again | noise | reproduced |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['set']} temp {r['temp']:g} | {r['method']} | {fmt(r['budget'], 'd')} | "
-                     f"{r['tau'][0]:.2f} → {r['tau'][1]:.2f} | {r['speedup'][0]:.2f} → {r['speedup'][1]:.2f} | "
-                     f"± {r['noise']:.2f} | {'yes' if r['reproduced'] else 'NO'} |")
-    return lines + [""]
-
-
 def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme: Path | None = None) -> str:
-    """RESULTS.md and the plot from the JSON under ``out`` (and the loss ablation under ``data``, else
-    the one ``results_md`` already has, see ``previous_loss_ablation``); with ``readme``, also the
-    table between its results markers."""
+    """RESULTS.md (``templates/RESULTS.md.j2``) and the plot from the JSON under ``out`` (and the loss
+    ablation under ``data``, else the one ``results_md`` already has, see ``previous_loss_ablation``);
+    with ``readme``, also the table between its results markers. Returns the page's text."""
     meta = json.loads((out / "meta.json").read_text())
-    args = meta["args"]
     # A stopped run renders what it measured; the page names what is missing.
     results = {(s, t): json.loads((out / f"bench-{s}-t{t:g}.json").read_text())
                for s in sets for t in temps if (out / f"bench-{s}-t{t:g}.json").is_file()}
     ablation_file = out / "ablation-builders.json"
-    ablation = json.loads(ablation_file.read_text()) if ablation_file.is_file() else {"set": sets[0], "rows": None}
-    missing = "Not measured in this run (it was stopped early); the command above measures it."
+    builders = json.loads(ablation_file.read_text()) if ablation_file.is_file() else {"set": sets[0], "rows": None}
     plot_path = results_md.with_name("results_tau_speedup.png")  # committed with RESULTS.md
     plot(results, [s for s in sets if (s, 0.0) in results], plot_path)
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in args.items()
-                     if k in ("sets", "temps", "limit", "max_new_tokens", "budgets", "repeats"))
-    md = ["# Results", "",
-          f"Generated by `experiments/train_drafters.sh ablate && python experiments/results.py {flags}` "
-          f"(the benchmarks took {meta['minutes']:.0f} minutes); the JSON rows are written to "
-          f"`{os.path.relpath(out, HERE.parent)}/` (not committed: a clone regenerates them) and `--render-only` "
-          "rebuilds this page from them.",
-          "",
-          f"- Machine: {meta['machine']}; while it measured, {others_words(meta.get('others_cpu', []))} "
-          "(when other jobs share the cores, absolute speeds drop and the ratios shift: a memory-bound AR step "
-          "and a compute-bound verify forward slow down differently, even measured interleaved).",
-          f"- Target `{PRESET}` with the drafters shipped in `treespark_jax/drafters/{PRESET}/` "
-          "(made by `experiments/train_drafters.sh`; no evaluation prompt was used to train them. The treespark "
-          "loss's tree weights were cut to a tenth because of their gradient norm in training; the offline GSM8K "
-          "eval τ of the retrained drafter was looked at before it replaced the old one, see docs/training.md).",
-          f"- Protocol: the first {args['limit']} held-out (`eval` split) prompts of each set through the chat "
-          f"template, {args['max_new_tokens']} new tokens at most (a reply may stop earlier), budgets {budgets}, "
-          f"{args['repeats']} interleaved pass(es), batch 1. AR and every (method, budget) run on each prompt in "
-          "turn in one process. Speedup = AR seconds per output token ÷ the method's (prefill and compilation "
-          "excluded); the median over prompts × passes, ± its inter-quartile range as the noise. τ = committed "
-          "tokens per drafted round (a target forward over a drafted tree), bonus included, pooled over all "
-          "rounds; skipped = the share of rounds that skipped the drafter and ran a plain target step "
-          "(docs/cost_model.md, not counted in τ; on by default for every drafting method; — for AR); α_j = acceptance at depth j given depth j − 1. Greedy = AR: every output identical to AR's (divergences at near-ties are counted).",
-          "- This is a reduced CPU protocol (DESIGN.md §4 asks for 32 prompts, 128 tokens, budgets {4, 8, 16, 32} "
-          "and three repeats, which take many hours on this machine); the same script runs the full protocol "
-          "with the flags in its docstring.",
-          f"- {equal_budget_line()}", ""]
-    for s in sets:
-        for t in temps:
-            md += [f"## {s}, temp {t:g}", ""]
-            if (s, t) not in results:
-                md += [missing, ""]
-                continue
-            md += [table(results[(s, t)]), ""] + [f"- {v}" for v in verdicts(results[(s, t)], budgets)] + [""]
-    md += ["## τ and speedup against budget (temp 0)", "", f"![τ and speedup]({plot_path.name})", "",
-           f"## Builder ablation: the shipped treespark drafter, budget {max(budgets)}, {ablation['set']}, temp 0", "",
-           table(ablation["rows"], with_builder=True) if ablation["rows"] else missing, "",
-           "Each builder on the same drafter, measured in its own pass; the `treespark` row repeats the main "
-           "table's configuration (τ is the same; the speedup is a second measurement of it). Only the "
-           "`treespark` builder uses the cost-aware stop; every builder skips drafting while it does not pay.", "",
-           LOSS_ABLATION_HEAD, "",
-           loss_ablation(data) or previous_loss_ablation(results_md) or LOSS_ABLATION_NOT_RUN, "",
-           "## Reproduction", "", *reproduction(out)]
-    text = "\n".join(md)
+    builders_table = table(builders["rows"], with_builder=True) if builders["rows"] else None
+    sections = [{"set": s, "temp": t, "table": table(results[(s, t)]) if (s, t) in results else None,
+                 "verdicts": verdicts(results[(s, t)], budgets) if (s, t) in results else []}
+                for s in sets for t in temps]
+    text = TEMPLATES.get_template("RESULTS.md.j2").render(
+        meta=meta, flags=" ".join(f"--{k.replace('_', '-')} {v}" for k, v in meta["args"].items() if k in FLAGS),
+        out=os.path.relpath(out, HERE.parent), others=others_words(meta.get("others_cpu", [])), preset=PRESET,
+        budgets=budgets, sections=sections, plot=plot_path.name,
+        builders={"set": builders["set"], "table": builders_table},
+        loss_ablation_head=LOSS_ABLATION_HEAD, loss_ablation=loss_ablation(data),
+        carried_loss_ablation=previous_loss_ablation(results_md), loss_ablation_not_run=LOSS_ABLATION_NOT_RUN,
+        reproduction=reproduction(checked_rows(out)), tau_tol=TAU_TOL)
     results_md.write_text(text)
     shown = next((s for s in ("gsm8k", *sets) if (s, 0.0) in results), None)
     if shown and readme is not None:
-        _readme_table(readme, results, shown, budgets, meta, args)
+        _readme_table(readme, results[(shown, 0.0)], shown, budgets, meta)
     return text
 
 
-README_START, README_END = "<!-- RESULTS TABLE -->", "<!-- /RESULTS TABLE -->"
-
-
-def _readme_table(readme: Path, results: dict, name: str, budgets: list[int], meta: dict, args: dict) -> None:
-    """Puts one set's temp-0 table (GSM8K's when measured) and its verdicts between the README's
-    results markers."""
+def _readme_table(readme: Path, rows: list[dict], name: str, budgets: list[int], meta: dict) -> None:
+    """Puts one set's temp-0 table (``rows``; GSM8K's when measured) and its verdicts
+    (``templates/README_results.md.j2``) between the README's results markers."""
     text = readme.read_text()
     if README_START not in text:
         return
-    rows = results[(name, 0.0)]
-    block = [README_START, "",
-             f"{name}, held-out prompts, temp 0, {args['limit']} prompts × {args['max_new_tokens']} tokens, "
-             f"batch 1, float32 on {meta['machine'].split(' (')[0]} ({others_words(meta.get('others_cpu', []))}); all sets, "
-             "temp 1, the plot and the ablations are in RESULTS.md.", "", table(rows), ""]
-    block += [f"- {v}" for v in verdicts(rows, budgets)] + [f"- {equal_budget_line('experiments/')}", "", README_END]
+    block = TEMPLATES.get_template("README_results.md.j2").render(
+        name=name, args=meta["args"], device=meta["machine"].split(" (")[0],
+        others=others_words(meta.get("others_cpu", [])), table=table(rows), verdicts=verdicts(rows, budgets))
     head = text[: text.index(README_START)]
     tail = text[text.index(README_END) + len(README_END):] if README_END in text else text[
         text.index(README_START) + len(README_START):]
-    readme.write_text(head + "\n".join(block) + tail)
+    readme.write_text(f"{head}{README_START}\n\n{block}\n{README_END}{tail}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 
 
 def fmt(x, spec=".2f"):
@@ -72,3 +73,28 @@ def others_words(shares: list) -> str:
     if not known:
         return "the load from other processes was not recorded"
     return f"other processes used {100 * max(known):.0f} % of the {os.cpu_count()} cores at most over the runs"
+
+
+def reproduction(rows: list[dict]) -> dict | None:
+    """What the page says of the reproduction check's ``rows`` (``results_measure.checked_rows``):
+    the tables and dates checked (``when``), the load from other processes, how many rows reproduced
+    of how many, the largest τ and speedup changes and the median speedup change (τ and speedup
+    ratios, unitless), and the table of every row; ``None`` when nothing was checked."""
+    if not rows:
+        return None
+    by_date: dict[str, dict] = {}
+    for r in rows:
+        by_date.setdefault(str(r["date"]), {})[f"{r['set']} temp {r['temp']:g}"] = None
+    d_speed = [abs(r["speedup"][1] - r["speedup"][0]) for r in rows]
+    lines = ["| table | method | budget | τ page → again | speedup page → again | noise | reproduced |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['set']} temp {r['temp']:g} | {r['method']} | {fmt(r['budget'], 'd')} | "
+                     f"{r['tau'][0]:.2f} → {r['tau'][1]:.2f} | {r['speedup'][0]:.2f} → {r['speedup'][1]:.2f} | "
+                     f"± {r['noise']:.2f} | {'yes' if r['reproduced'] else 'NO'} |")
+    return {"when": " and ".join(f"{', '.join(tables)} on {date}" for date, tables in sorted(by_date.items())),
+            "others": others_words([r["others_cpu"] for r in rows]),
+            "reproduced": sum(r["reproduced"] for r in rows), "checked": len(rows),
+            "max_tau_change": max(abs(r["tau"][1] - r["tau"][0]) for r in rows),
+            "max_speedup_change": max(d_speed), "median_speedup_change": statistics.median(d_speed),
+            "table": "\n".join(lines)}

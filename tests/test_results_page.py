@@ -1,4 +1,4 @@
-"""experiments/results.py and its modules: the reproduction check's verdicts and the page it renders, from rows on disk."""
+"""experiments/results.py's modules: the reproduction check's verdicts and the page it renders, from rows on disk."""
 
 import argparse
 import json
@@ -135,7 +135,7 @@ def test_a_checkout_without_the_ablation_runs_keeps_the_pages_loss_table_marked_
     assert ablation.LOSS_ABLATION_NOT_RUN not in results_md.read_text()
 
 
-def test_a_check_of_one_table_keeps_the_other_tables_verdicts(measuring, page, tmp_path, monkeypatch):
+def test_a_check_of_one_table_keeps_the_other_tables_verdicts(measuring, tables, tmp_path, monkeypatch):
     out = tmp_path / "results"
     (out / "check").mkdir(parents=True)
     shown = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.9, 1.2, 0.1)]
@@ -144,7 +144,8 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(measuring, page, t
     args = {"sets": "gsm8k", "temps": "0,1", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1}
     (out / "meta.json").write_text(json.dumps({"minutes": 1.0, "args": args}))
     old = {"date": "2026-11-30", "machine": "cpu", "others_cpu": [0.01],  # the format before per-row dates
-           "rows": measuring.compare_runs("gsm8k", 0.0, shown, shown) + measuring.compare_runs("gsm8k", 1.0, shown, shown)}
+           "rows": [*measuring.compare_runs("gsm8k", 0.0, shown, shown),
+                    *measuring.compare_runs("gsm8k", 1.0, shown, shown)]}
     (out / "reproduction.json").write_text(json.dumps(old))
     slower = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.9, 0.8, 0.1)]
     monkeypatch.setattr(measuring, "run_jobs", lambda a, jobs, where: (where / "bench-gsm8k-t1.json").write_text(
@@ -155,10 +156,11 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(measuring, page, t
     assert len(rows) == 4
     assert rows[(0.0, "treespark")]["reproduced"] and rows[(0.0, "treespark")]["date"] == "2026-11-30"
     assert not rows[(1.0, "treespark")]["reproduced"] and rows[(1.0, "treespark")]["date"] == "2026-12-01"
-    section = "\n".join(page.reproduction(out))
-    assert "measured gsm8k temp 0 on 2026-11-30 and gsm8k temp 1 on 2026-12-01 again" in section
-    assert "3 of 4 rows reproduced" in section
-    assert "τ moved by 0.00 at most, and a speedup by 0.40 at most (median 0.00)" in section
+    summary = tables.reproduction(measuring.checked_rows(out))
+    assert summary["when"] == "gsm8k temp 0 on 2026-11-30 and gsm8k temp 1 on 2026-12-01"
+    assert (summary["reproduced"], summary["checked"]) == (3, 4)
+    assert summary["max_tau_change"] == 0.0 and summary["median_speedup_change"] == 0.0
+    assert summary["max_speedup_change"] == pytest.approx(0.4)
 
     # measuring a table for the page again drops its now stale verdicts, and keeps the others
     monkeypatch.setattr(measuring, "run_jobs", lambda a, jobs, where: dict.fromkeys(jobs, 2.0))
