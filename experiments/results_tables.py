@@ -7,10 +7,12 @@ import statistics
 
 
 def fmt(x, spec=".2f"):
+    """``x`` in the format ``spec``, or "—" for a value that does not apply (``None``)."""
     return "—" if x is None else format(x, spec)
 
 
 def greedy_cell(row) -> str:
+    """"yes" when a row's outputs equal AR's; else how many diverged, and whether all at near-ties."""
     if row["greedy_equal"] is None:
         return "—"
     if row["greedy_equal"]:
@@ -20,6 +22,8 @@ def greedy_cell(row) -> str:
 
 
 def table(rows: list[dict], with_builder: bool = False) -> str:
+    """A Markdown table of bench rows: τ, speedup ± IQR, tokens/s, the skipped share, α₁..α₃ and
+    greedy = AR per (method, budget); with ``with_builder``, a builder column too."""
     head = ("| method | " + ("builder | " if with_builder else "")
             + "budget | τ | speedup ± IQR | tok/s | skipped | α₁ α₂ α₃ | greedy = AR |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
