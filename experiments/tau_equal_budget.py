@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))  # results.py's helpers, when this file is imported by a test
+sys.path.insert(0, str(HERE))  # the results page's helpers, when this file is imported by a test
 
-from results import (PRESET, cpu_clock, describe_machine, fmt, greedy_cell, log, others_share,  # noqa: E402
-                     others_words, tau_verdicts)
+from results_measure import PRESET, cpu_clock, describe_machine, log, others_share  # noqa: E402
+from results_tables import fmt, greedy_cell, others_words, tau_verdicts  # noqa: E402
 
 METHODS = ("prompt_lookup", "dflash", "dspark", "ddtree", "pctree", "treespark")
 PAGE = HERE / "TAU_EQUAL_BUDGET.md"

@@ -1,5 +1,6 @@
-"""experiments/results.py: the reproduction check's verdicts and the page it renders, from rows on disk."""
+"""experiments/results.py's modules: the reproduction check's verdicts and the page it renders, from rows on disk."""
 
+import argparse
 import json
 
 import pytest
@@ -7,8 +8,23 @@ from scripts import load_script
 
 
 @pytest.fixture(scope="module")
-def results():
-    return load_script("experiments/results.py")
+def measuring():
+    return load_script("experiments/results_measure.py")
+
+
+@pytest.fixture(scope="module")
+def page():
+    return load_script("experiments/results_page.py")
+
+
+@pytest.fixture(scope="module")
+def tables():
+    return load_script("experiments/results_tables.py")
+
+
+@pytest.fixture(scope="module")
+def ablation():
+    return load_script("experiments/results_loss_ablation.py")
 
 
 def _row(method, budget, tau, speedup, iqr):
@@ -16,25 +32,25 @@ def _row(method, budget, tau, speedup, iqr):
             "speedup": speedup, "speedup_iqr": iqr, "tokens_per_s": 30.0, "greedy_equal": True, "divergences": []}
 
 
-def test_compare_runs_applies_the_stated_noise(results):
+def test_compare_runs_applies_the_stated_noise(measuring):
     page = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.90, 1.10, 0.20), _row("dspark", 4, 1.80, 1.05, 0.05)]
     fresh = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.90, 0.95, 0.10), _row("dspark", 4, 1.80, 1.15, 0.04)]
-    rows = {r["method"]: r for r in results.compare_runs("gsm8k", 0.0, page, fresh)}
+    rows = {r["method"]: r for r in measuring.compare_runs("gsm8k", 0.0, page, fresh)}
     assert rows["treespark"]["reproduced"] and rows["treespark"]["noise"] == pytest.approx(0.20)
     assert not rows["dspark"]["reproduced"]  # moved 0.10 against an IQR of 0.05
     assert rows["ar"]["reproduced"]
-    shifted = results.compare_runs("gsm8k", 0.0, page, [_row("treespark", 4, 1.80, 1.10, 0.20)])
+    shifted = measuring.compare_runs("gsm8k", 0.0, page, [_row("treespark", 4, 1.80, 1.10, 0.20)])
     assert not shifted[0]["reproduced"]  # τ moved by 0.10 > TAU_TOL
 
 
-def test_others_share_subtracts_own_cpu_time(results):
+def test_others_share_subtracts_own_cpu_time(measuring):
     start, end = (100.0, 5.0, 0.0), (118.0, 13.0, 10.0)  # 18 busy s, 8 own s, 10 wall s
-    cores = results.os.cpu_count()
-    assert results.others_share(start, end) == pytest.approx(10.0 / (10.0 * cores))
-    assert results.others_share(None, end) is None
+    cores = measuring.os.cpu_count()
+    assert measuring.others_share(start, end) == pytest.approx(10.0 / (10.0 * cores))
+    assert measuring.others_share(None, end) is None
 
 
-def _measured_page(results, tmp_path):
+def _measured_page(tmp_path):
     """A measured gsm8k temp-0 table (budget 4) under ``tmp_path/results``; returns its rows."""
     out = tmp_path / "results"
     out.mkdir()
@@ -47,15 +63,15 @@ def _measured_page(results, tmp_path):
     return rows
 
 
-def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
+def test_render_writes_tables_verdicts_and_reproduction(measuring, page, tables, ablation, tmp_path):
     out = tmp_path / "results"
-    rows = _measured_page(results, tmp_path)
+    rows = _measured_page(tmp_path)
     rep = {"date": "2026-11-30", "machine": "cpu", "others_cpu": [0.01],
-           "rows": results.compare_runs("gsm8k", 0.0, rows, rows)}
+           "rows": measuring.compare_runs("gsm8k", 0.0, rows, rows)}
     (out / "reproduction.json").write_text(json.dumps(rep))
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{results.README_START}\nold\n{results.README_END}\noutro\n")
-    md = results.render(["gsm8k"], [0.0], [4], out, tmp_path / "data", tmp_path / "RESULTS.md", readme)
+    readme.write_text(f"intro\n{page.README_START}\nold\n{page.README_END}\noutro\n")
+    md = page.render(["gsm8k"], [0.0], [4], out, tmp_path / "data", tmp_path / "RESULTS.md", readme)
     assert (tmp_path / "RESULTS.md").read_text() == md
     assert (tmp_path / "results_tau_speedup.png").stat().st_size > 0
     assert "treespark τ > dspark τ at budgets [4] of [4]" in md
@@ -63,22 +79,22 @@ def test_render_writes_tables_verdicts_and_reproduction(results, tmp_path):
     assert "1.20 ± 0.10 at budget 4 (above 1 by more than half its IQR)" in md
     assert "fastest row" not in md  # treespark is the fastest here
     assert "[TAU_EQUAL_BUDGET.md](TAU_EQUAL_BUDGET.md)" in md  # where τ at equal budget is
-    faster = results.verdicts(rows + [_row("dspark", 8, 1.7, 1.3, 0.2)], [4, 8])
+    faster = tables.verdicts(rows + [_row("dspark", 8, 1.7, 1.3, 0.2)], [4, 8])
     assert faster[-1] == "fastest row: dspark at budget 8, 1.30 ± 0.20"
     assert "draft skipping off" not in md
-    unskipped = results.verdicts([dict(r, skip=False) for r in rows], [4])
+    unskipped = tables.verdicts([dict(r, skip=False) for r in rows], [4])
     assert unskipped[-1] == "measured with draft skipping off, before it became the default of every drafting method"
     assert "| treespark | 4 | 1.90 | 1.20 ± 0.10 | 30.0 | 25% |" in md and "| ar | — | 1.00 | 1.00 ± 0.00 | 30.0 | — |" in md
     assert "4 of 4 rows reproduced within the stated noise" in md
     assert "other processes used 2 % of the" in md
-    assert results.LOSS_ABLATION_NOT_RUN in md  # no ablation runs under tmp_path
+    assert ablation.LOSS_ABLATION_NOT_RUN in md  # no ablation runs under tmp_path
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
     assert "| treespark | 4 | 1.90 | 1.20 ± 0.10 |" in text
     assert "[TAU_EQUAL_BUDGET.md](experiments/TAU_EQUAL_BUDGET.md)" in text
 
 
-def test_loss_ablation_names_the_changed_weights_and_steps(results, tmp_path):
+def test_loss_ablation_names_the_changed_weights_and_steps(ablation, tmp_path):
     ev = {"chain_tau": 1.6, "tree_tau": 2.1, "budget": 16, "alpha": [0.5, 0.4, 0.3, 0.2]}
     runs = (("start", None, 0), ("shipped", {}, 600), ("shipped_no_tree_terms", {"tree_tv": 0.0}, 600),
             ("full", {}, 100), ("no_edge", {"tree_edge": 0.0}, 100))
@@ -87,70 +103,73 @@ def test_loss_ablation_names_the_changed_weights_and_steps(results, tmp_path):
         d.mkdir()
         (d / "eval.json").write_text(json.dumps(ev))
         if config is not None:
-            run = {"loss_config": {**results.TREE_TERMS, **config}, "train": {"steps": steps}}
+            run = {"loss_config": {**ablation.TREE_TERMS, **config}, "train": {"steps": steps}}
             (tmp_path / ("treespark" if name == "shipped" else f"ablate-{name}")).mkdir(exist_ok=True)
             (tmp_path / ("treespark" if name == "shipped" else f"ablate-{name}") / "run.json").write_text(
                 json.dumps(run))
-    table = results.loss_ablation(tmp_path)
+    table = ablation.loss_ablation(tmp_path)
     assert "| start | (the dspark drafter itself) | 0 | 1.600 | 2.100 (16) | 0.50 0.40 0.30 |" in table
     assert "| shipped | — (the run exported as the shipped drafter) | 600 |" in table
     assert "| shipped_no_tree_terms | tree_tv=0 | 600 |" in table
     assert "| full | — | 100 |" in table and "| no_edge | tree_edge=0 | 100 |" in table
     assert "- no_edge against start: chain τ 1.600 → 1.600, tree τ 2.100 → 2.100" in table
-    assert results.loss_ablation(tmp_path / "missing") is None
+    assert ablation.loss_ablation(tmp_path / "missing") is None
 
 
-def test_a_checkout_without_the_ablation_runs_keeps_the_pages_loss_table_marked_as_carried_over(results, tmp_path):
-    _measured_page(results, tmp_path)
-    page = tmp_path / "RESULTS.md"
+def test_a_checkout_without_the_ablation_runs_keeps_the_pages_loss_table_marked_as_carried_over(page, ablation,
+                                                                                                 tmp_path):
+    _measured_page(tmp_path)
+    results_md = tmp_path / "RESULTS.md"
 
     def render():
-        return results.render(["gsm8k"], [0.0], [4], tmp_path / "results", tmp_path / "data", page)
+        return page.render(["gsm8k"], [0.0], [4], tmp_path / "results", tmp_path / "data", results_md)
 
-    assert results.LOSS_ABLATION_NOT_RUN in render()  # no table anywhere yet
+    assert ablation.LOSS_ABLATION_NOT_RUN in render()  # no table anywhere yet
     table = "| variant | steps |\n|---|---|\n| start | 0 |"
-    page.write_text(page.read_text().replace(results.LOSS_ABLATION_NOT_RUN, table))
-    carried = f"{results.LOSS_ABLATION_HEAD}\n\n{results.CARRIED_OVER}\n\n{table}\n\n## Reproduction"
+    results_md.write_text(results_md.read_text().replace(ablation.LOSS_ABLATION_NOT_RUN, table))
+    carried = f"{ablation.LOSS_ABLATION_HEAD}\n\n{ablation.CARRIED_OVER}\n\n{table}\n\n## Reproduction"
     assert carried in render()
     assert carried in render()  # rendered again, it is marked once
-    page.write_text(page.read_text().replace(results.CARRIED_OVER, "Carried over from an older wording."))
+    results_md.write_text(results_md.read_text().replace(ablation.CARRIED_OVER, "Carried over from an older wording."))
     assert carried in render()  # an older mark is replaced, not stacked
-    assert results.LOSS_ABLATION_NOT_RUN not in page.read_text()
+    assert ablation.LOSS_ABLATION_NOT_RUN not in results_md.read_text()
 
 
-def test_a_check_of_one_table_keeps_the_other_tables_verdicts(results, tmp_path, monkeypatch):
+def test_a_check_of_one_table_keeps_the_other_tables_verdicts(measuring, tables, tmp_path, monkeypatch):
     out = tmp_path / "results"
     (out / "check").mkdir(parents=True)
-    page = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.9, 1.2, 0.1)]
+    shown = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.9, 1.2, 0.1)]
     for name in ("bench-gsm8k-t0.json", "bench-gsm8k-t1.json"):
-        (out / name).write_text(json.dumps(page))
+        (out / name).write_text(json.dumps(shown))
     args = {"sets": "gsm8k", "temps": "0,1", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1}
     (out / "meta.json").write_text(json.dumps({"minutes": 1.0, "args": args}))
     old = {"date": "2026-11-30", "machine": "cpu", "others_cpu": [0.01],  # the format before per-row dates
-           "rows": results.compare_runs("gsm8k", 0.0, page, page) + results.compare_runs("gsm8k", 1.0, page, page)}
+           "rows": [*measuring.compare_runs("gsm8k", 0.0, shown, shown),
+                    *measuring.compare_runs("gsm8k", 1.0, shown, shown)]}
     (out / "reproduction.json").write_text(json.dumps(old))
     slower = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.9, 0.8, 0.1)]
-    monkeypatch.setattr(results, "_run_jobs", lambda a, jobs, where: (where / "bench-gsm8k-t1.json").write_text(
+    monkeypatch.setattr(measuring, "run_jobs", lambda a, jobs, where: (where / "bench-gsm8k-t1.json").write_text(
         json.dumps(slower)))
-    monkeypatch.setattr(results.time, "strftime", lambda fmt: "2026-12-01")
-    results.check(results.argparse.Namespace(**args), ["gsm8k"], [1.0], out)
+    monkeypatch.setattr(measuring.time, "strftime", lambda fmt: "2026-12-01")
+    measuring.check(argparse.Namespace(**args), ["gsm8k"], [1.0], out)
     rows = {(r["temp"], r["method"]): r for r in json.loads((out / "reproduction.json").read_text())["rows"]}
     assert len(rows) == 4
     assert rows[(0.0, "treespark")]["reproduced"] and rows[(0.0, "treespark")]["date"] == "2026-11-30"
     assert not rows[(1.0, "treespark")]["reproduced"] and rows[(1.0, "treespark")]["date"] == "2026-12-01"
-    section = "\n".join(results.reproduction(out))
-    assert "measured gsm8k temp 0 on 2026-11-30 and gsm8k temp 1 on 2026-12-01 again" in section
-    assert "3 of 4 rows reproduced" in section
-    assert "τ moved by 0.00 at most, and a speedup by 0.40 at most (median 0.00)" in section
+    summary = tables.reproduction(measuring.checked_rows(out))
+    assert summary["when"] == "gsm8k temp 0 on 2026-11-30 and gsm8k temp 1 on 2026-12-01"
+    assert (summary["reproduced"], summary["checked"]) == (3, 4)
+    assert summary["max_tau_change"] == 0.0 and summary["median_speedup_change"] == 0.0
+    assert summary["max_speedup_change"] == pytest.approx(0.4)
 
     # measuring a table for the page again drops its now stale verdicts, and keeps the others
-    monkeypatch.setattr(results, "_run_jobs", lambda a, jobs, where: dict.fromkeys(jobs, 2.0))
-    results.measure(results.argparse.Namespace(**args | {"sets": "gsm8k", "temps": "1"}), ["gsm8k"], [1.0], out)
+    monkeypatch.setattr(measuring, "run_jobs", lambda a, jobs, where: dict.fromkeys(jobs, 2.0))
+    measuring.measure(argparse.Namespace(**args | {"sets": "gsm8k", "temps": "1"}), ["gsm8k"], [1.0], out)
     assert {r["temp"] for r in json.loads((out / "reproduction.json").read_text())["rows"]} == {0.0}
     # the page's time counts each table once: measured again, a table's minutes replace its old ones
     meta = json.loads((out / "meta.json").read_text())
     assert meta["jobs"] == {"bench:gsm8k:1": 2.0, "builders:gsm8k": 2.0} and meta["minutes"] == 4.0
-    results.measure(results.argparse.Namespace(**args | {"sets": "gsm8k", "temps": "0"}), ["gsm8k"], [0.0], out)
+    measuring.measure(argparse.Namespace(**args | {"sets": "gsm8k", "temps": "0"}), ["gsm8k"], [0.0], out)
     assert json.loads((out / "meta.json").read_text())["minutes"] == 6.0
 
 
