@@ -65,8 +65,9 @@ def main() -> None:
 
     lm = load(args.preset)
     engine, measured = lm.engine, lm.engine.cost
-    variants = {"convex stop, no skip": (convex_table(measured), lm.speculation(method="treespark", budget=args.budget, skip_drafting=False)),
-                "no skip": (measured, lm.speculation(method="treespark", budget=args.budget, skip_drafting=False)),
+    no_skip = lm.speculation(method="treespark", budget=args.budget, skip_drafting=False)
+    variants = {"convex stop, no skip": (convex_table(measured), no_skip),
+                "no skip": (measured, no_skip),
                 "skip (default)": (measured, lm.speculation(method="treespark", budget=args.budget))}
     n = args.max_new_tokens
     windows = {}

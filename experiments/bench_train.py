@@ -86,7 +86,8 @@ def main() -> None:
     seqs = [rng.integers(0, target.cfg.vocab_size, args.seq_len).tolist() for _ in range(args.batch_size)]
     records = [make_record(s, args.seq_len // 4, *f, prompt_set="random", prompt_id=str(i), seed=0, temperature=0.0,
                            top_p=1.0, finished=False)
-               for i, (s, f) in enumerate(zip(seqs, record_arrays(target.model, seqs, [args.seq_len // 4] * args.batch_size,
+               for i, (s, f) in enumerate(zip(seqs, record_arrays(target.model, seqs,
+                                                                  [args.seq_len // 4] * args.batch_size,
                                                                   drafter.cfg.target_layer_ids)))]
     batch = jax.tree.map(jnp.asarray, batch_from_records(records, seq_len=args.seq_len, n_anchors=args.anchors, rng=rng))
     cfg = TrainConfig(steps=1000, batch=args.batch_size, seq_len=args.seq_len, anchors=args.anchors)
@@ -117,15 +118,16 @@ def main() -> None:
         step_s, flops = statistics.median(run["times"]), compiled_flops(run["compiled"])
         rows.append({"variant": name, "step_s": step_s,
                      "step_s_iqr": float(np.subtract(*np.percentile(run["times"], [75, 25]))),
-                     "sequence_tokens_per_s": args.batch_size * args.seq_len / step_s, "block_slots_per_s": slots / step_s,
+                     "sequence_tokens_per_s": args.batch_size * args.seq_len / step_s,
+                     "block_slots_per_s": slots / step_s,
                      "step_gflop": flops / 1e9, "achieved_gflop_per_s": flops / step_s / 1e9,
                      "fraction_of_peak": flops / step_s / peak})
     base = rows[0]
     for row in rows:
         row["speedup"] = base["step_s"] / row["step_s"]
         row["flop_ratio"] = base["step_gflop"] / row["step_gflop"] if row["step_gflop"] else None
-    print(f"{args.preset} {args.loss} drafter, batch {args.batch_size} × {args.seq_len} tokens, {args.anchors} anchors "
-          f"× γ {drafter.cfg.block_size}, on {jax.devices()[0].device_kind}; {args.steps} interleaved steps each, "
+    print(f"{args.preset} {args.loss} drafter, batch {args.batch_size} × {args.seq_len} tokens, "
+          f"{args.anchors} anchors × γ {drafter.cfg.block_size}, on {jax.devices()[0].device_kind}; {args.steps} interleaved steps each, "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.matmul}²)")
     print(f"{'variant':<24} {'step ms':>8} {'IQR':>5} {'GFLOP':>7} {'GFLOP/s':>8} {'peak':>5} {'tokens/s':>9} {'speedup':>8}")
     for r in rows:

@@ -71,7 +71,8 @@ def test_new_settings_or_sampling_mode_get_their_own_session(lm):
 def test_a_drafter_object_is_bound_again_when_its_weights_change(lm, calls):
     drafter = lm.drafter("dspark", "random")
     session = lm.session(method="dspark", budget=4, drafter=drafter)
-    assert lm.session(method="dspark", budget=4, drafter=drafter) is session and calls["bind"] == 0  # "random" was bound
+    # "random" was bound
+    assert lm.session(method="dspark", budget=4, drafter=drafter) is session and calls["bind"] == 0
     drafter.mask_embed[...] = drafter.mask_embed[...] + 1.0  # a new array, as a training step makes
     retrained = lm.session(method="dspark", budget=4, drafter=drafter)
     assert retrained is not session and calls["bind"] == 1

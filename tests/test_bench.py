@@ -53,7 +53,8 @@ def test_bench_rows_are_greedy_equal_and_compile_once_per_budget(tiny_dir, promp
     assert depth and all(a is None or 0.0 <= a <= 1.0 for a in depth)
 
 
-@pytest.mark.parametrize("flags, skip_drafting, cost_aware_stop", [((), True, True), (("--no-skip-drafting",), False, True),
+@pytest.mark.parametrize("flags, skip_drafting, cost_aware_stop", [((), True, True),
+                                                                  (("--no-skip-drafting",), False, True),
                                                                   (("--no-cost-aware-stop",), True, False)])
 def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path, flags, skip_drafting,
                                                  cost_aware_stop):

@@ -122,7 +122,8 @@ def test_tree_invariants(builder, rule, seed, invalid):
     b = len(SWEEP_TEMP)
     proposal = masked(random_proposal(jax.random.key(seed), b, 5, 6, 40, 3), invalid, seed)
     anchor = jnp.asarray(np.random.default_rng(seed).integers(0, 40, b), jnp.int32)
-    tree = build_tree(proposal, anchor, cfg, rule=rule, temperature=SWEEP_TEMP, top_p=SWEEP_TOP_P, keys=row_keys(seed, b))
+    tree = build_tree(proposal, anchor, cfg, rule=rule, temperature=SWEEP_TEMP, top_p=SWEEP_TOP_P,
+                      keys=row_keys(seed, b))
     greedy = rule == "greedy"  # ranked and scored at temperature 1 without a nucleus
     t = check_tree(tree, proposal, anchor, cfg, 1.0 if greedy else SWEEP_TEMP, 1.0 if greedy else SWEEP_TOP_P,
                    deterministic_rows=np.full(b, rule != "rejection"))
@@ -198,8 +199,8 @@ def reference_log_survival(p: dict, r: int, builder: str, depth: int, token: int
     if builder == "parent_conditioned":
         return logq
     if builder == "marginal":
-        return np.where(np.isfinite(logq), log_softmax(p["pool_logits"][r, j] / (temperature if temperature > 0 else 1.0)),
-                        -np.inf)
+        scaled = p["pool_logits"][r, j] / (temperature if temperature > 0 else 1.0)
+        return np.where(np.isfinite(logq), log_softmax(scaled), -np.inf)
     edge = (p["edge_scale"][j] * log_softmax(logits) + p["edge_bias"][r, j] + p["edge_parent"][token]
             + p["edge_child"][r, j])
     ls = np.where(np.isfinite(logq), -np.logaddexp(0.0, -edge), -np.inf)
@@ -250,7 +251,8 @@ def test_deterministic_builders_equal_reference_best_first(builder):
         proposal = masked(random_proposal(jax.random.key(7), len(temperature), 3, 5, 7, 3, dtype=jnp.float64),
                           0.15, 7)
         anchor = np.arange(len(temperature)) % 7
-        trees = {rule: as_numpy(build_tree(proposal, jnp.asarray(anchor, jnp.int32), cfg, rule=rule, temperature=temperature))
+        trees = {rule: as_numpy(build_tree(proposal, jnp.asarray(anchor, jnp.int32), cfg, rule=rule,
+                                           temperature=temperature))
                  for rule in ("greedy", "match")}
     p = {f: np.asarray(getattr(proposal, f)) for f in proposal.__dataclass_fields__}
     for rule, temps in (("greedy", np.ones_like(temperature)), ("match", temperature)):
@@ -401,7 +403,8 @@ def test_swapping_a_drawn_token_changes_nothing_it_could_anticipate(builder):
                           and (u == 0 or t["valid"][r, u - 1])]
             internal[r] = open_nodes[-1]
             rank[r] = counts[internal[r]]
-        same = as_numpy(build(proposal, anchor, temperature=temperature, top_p=top_p, gumbel=jnp.asarray(redraw(internal, rank))))
+        same = as_numpy(build(proposal, anchor, temperature=temperature, top_p=top_p,
+                              gumbel=jnp.asarray(redraw(internal, rank))))
         for f in FIELDS:
             np.testing.assert_array_equal(same[f], t[f])
 

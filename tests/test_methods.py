@@ -119,14 +119,16 @@ def test_the_cost_aware_stop_follows_the_recipe_unless_overridden(target64, ar_r
     drafters = {m: random_drafter(target64, m) for m in ("dflash", "dspark", "ddtree", "treespark")}
     default = {m: speculation(m, target64, 8, drafter=d).cost_aware_stop for m, d in drafters.items()}
     assert default == {"dflash": False, "dspark": True, "ddtree": False, "treespark": True}
-    assert not any(speculation(m, target64, 8, drafter=d, cost_aware_stop=False).cost_aware_stop for m, d in drafters.items())
+    assert not any(speculation(m, target64, 8, drafter=d, cost_aware_stop=False).cost_aware_stop
+                   for m, d in drafters.items())
     assert speculation("ddtree", target64, 8, drafter=drafters["ddtree"], cost_aware_stop=True).cost_aware_stop is True
     one = speculation("treespark", target64, 1, drafter=drafters["treespark"], cost_aware_stop=True)
     assert plan_round(one, True, DEFAULT_CPU_COST).ladder == (1,)  # N = 1: nothing to choose
     assert speculation("prompt_lookup", target64, 8, cost_aware_stop=False).cost_aware_stop is False
     assert speculation("prompt_lookup", target64, 8, builder="treespark").cost_aware_stop is False  # nothing to stop on
     # Without the stop every round verifies the whole budget; greedy output stays AR's.
-    spec = speculation("treespark", target64, 12, drafter=drafters["treespark"], cost_aware_stop=False, skip_drafting=False)
+    spec = speculation("treespark", target64, 12, drafter=drafters["treespark"], cost_aware_stop=False,
+                       skip_drafting=False)
     ids, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40, spec=spec)
     assert ids == ar_reference and stats.skipped_rounds == 0
     assert len(stats.rung_rounds) == 1 and stats.rung_rounds[0] > 0  # one rung: the whole budget

@@ -239,7 +239,8 @@ def sample(model, spec, temperature, top_p, first_seed, cost=DEFAULT_CPU_COST):
 def test_generated_tokens_follow_the_target(model, logits_tree, case):
     spec, temperature, top_p = CASES[case]
     law = exact_law(logits_tree, temperature, top_p)
-    tokens, taus, skipped = sample(model, spec, temperature, top_p, first_seed=1_000_000 * (list(CASES).index(case) + 1),
+    tokens, taus, skipped = sample(model, spec, temperature, top_p,
+                                   first_seed=1_000_000 * (list(CASES).index(case) + 1),
                                    cost=COSTS.get(case, DEFAULT_CPU_COST))
     if case in COSTS:
         assert skipped >= ROWS // 2, skipped  # most rows have a skipped round

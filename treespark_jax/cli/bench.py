@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> None:
         protocol = {"target": lm.target.name, "prompts": args.prompts, "split": split, "n_prompts": len(prompts),
                     "prompt_ids": [r.id for r in records], "max_new_tokens": args.max_new_tokens,
                     "repeats": args.repeats, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-                    "batch": 1, "mesh": args.mesh, "dtype": args.dtype, "drafters": drafters or "shipped", "builder": args.builder,
+                    "batch": 1, "mesh": args.mesh, "dtype": args.dtype, "drafters": drafters or "shipped",
+                    "builder": args.builder,
                     "verify": args.verify, "skip_drafting": args.skip_drafting is not False,
                     "cost_aware_stop": args.cost_aware_stop}
         machine = {"device": current_device_kind(), "processor": cpu_model(),

@@ -38,7 +38,8 @@ def add_override_args(p: argparse.ArgumentParser, whose: str) -> None:
     """Adds ``--builder``, ``--verify``, ``--skip-drafting`` and ``--cost-aware-stop`` to ``p``
     (``methods.speculation``'s overrides); ``whose`` names what they override in the help."""
     p.add_argument("--builder", default=None, choices=BUILDERS, help=f"override {whose} tree builder (ablations)")
-    p.add_argument("--verify", default=None, choices=VERIFY_RULES, help=f"override {whose} verify rule at temperature > 0")
+    p.add_argument("--verify", default=None, choices=VERIFY_RULES,
+                   help=f"override {whose} verify rule at temperature > 0")
     p.add_argument("--skip-drafting", action=argparse.BooleanOptionalAction, default=None,
                    help="run plain target steps instead of drafting while recent drafted rounds committed tokens "
                         "more slowly than target steps would (lossless; docs/cost_model.md); on by default for "

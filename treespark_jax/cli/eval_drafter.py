@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> None:
     if args.budget:
         temps = {m["identity"].get(STORED_KEYS["temperature"]) for m in rollouts.manifests}
         if temps != {0.0}:
-            raise ValueError(f"tree τ needs greedy (temperature 0) rollouts, not temperatures {sorted(temps)}; pass --budget 0.")
+            raise ValueError(f"tree τ needs greedy (temperature 0) rollouts, not temperatures {sorted(temps)}; "
+                             "pass --budget 0.")
         tree = lm.speculation(method=args.method, budget=args.budget, drafter=drafter, builder=args.builder).tree
     result = evaluate_drafter(drafter, TargetHead.of(lm.target.model, drafter.dtype),
                               rollout_batches(rollouts, batch=args.batch_size, n_anchors=args.anchors), tree)

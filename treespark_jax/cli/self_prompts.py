@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> None:
                         ensure_ascii=False) for r in records]
     write_text_atomic(out, "".join(line + "\n" for line in lines))  # never half-written under its name
     rows = [("file", str(out.resolve())),
-            ("prompts", f"{len(records)} of {args.limit} ({sum(r.meta['finished'] for r in records)} ended at end-of-turn)"),
+            ("prompts", f"{len(records)} of {args.limit} "
+                        f"({sum(r.meta['finished'] for r in records)} ended at end-of-turn)"),
             ("seconds", f"{seconds:.1f}")]
     print("\n".join(f"{k:<8} {v}" for k, v in rows))

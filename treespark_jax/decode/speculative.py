@@ -131,8 +131,8 @@ def drafted_round(model: Decoder, proposer: Proposer, plan: RoundPlan, state: Sp
     active = ~gen.done
     keys = jax.vmap(jax.random.fold_in)(requests.keys, gen.n_out)
     proposal = proposer.propose(state.proposer, gen.anchor, keys)
-    tree = build_tree(proposal, gen.anchor, tcfg, rule=plan.rule, temperature=requests.temperature, top_p=requests.top_p,
-                      keys=keys)
+    tree = build_tree(proposal, gen.anchor, tcfg, rule=plan.rule, temperature=requests.temperature,
+                      top_p=requests.top_p, keys=keys)
 
     ladder = plan.ladder
     rung = jnp.zeros((), jnp.int32)

@@ -221,7 +221,8 @@ def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], starts: S
 def tree_log(log: dict[str, np.ndarray], head: TargetHead, rule: str, temperature: float) -> StoredTrees:
     """A row's logged trees (``Session.generate_logged``) with each verify row's normaliser added."""
     hidden = np.asarray(log["node_hidden"]).astype(FEATURE_DTYPE)  # as stored
-    lse, top = target_normalisers(head, hidden.reshape(-1, hidden.shape[-1]), float(tree_temperature(rule, temperature)))
+    lse, top = target_normalisers(head, hidden.reshape(-1, hidden.shape[-1]),
+                                  float(tree_temperature(rule, temperature)))
     return StoredTrees(**log, node_lse=lse.reshape(hidden.shape[:2]), node_top=top.reshape(hidden.shape[:2]), rule=rule,
                    temperature=temperature)
 
@@ -307,8 +308,8 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                 seeds = [prompt_seed(settings.seed, p.set, p.id) for p in batch]
                 t0 = time.perf_counter()
                 if spec is None:  # the features come from the generation's own forwards
-                    outs, feats = engine.generate_features(ids, settings.max_new_tokens, layer_ids, settings.temperature,
-                                                           settings.top_p, seeds)
+                    outs, feats = engine.generate_features(ids, settings.max_new_tokens, layer_ids,
+                                                           settings.temperature, settings.top_p, seeds)
                     trees = [None] * len(batch)
                 else:
                     outs, _, logs = session.generate_logged(ids, settings.max_new_tokens, settings.temperature,
@@ -321,8 +322,8 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                 norms = record_normalisers(head, [h for _, h in feats], [len(p) - 1 for p in ids])
                 t2 = time.perf_counter()
                 records = [make_record(p + o, len(p), f, h, lse, top, prompt_set=rec.set, prompt_id=rec.id, seed=s,
-                                       temperature=settings.temperature, top_p=settings.top_p, finished=bool(o) and o[-1] in stop_ids,
-                                       trees=tree)
+                                       temperature=settings.temperature, top_p=settings.top_p,
+                                       finished=bool(o) and o[-1] in stop_ids, trees=tree)
                            for rec, p, o, (f, h), (lse, top), s, tree in zip(batch, ids, outs, feats, norms, seeds,
                                                                              trees)]
                 entry = writer.write_shard(records)
