@@ -121,8 +121,8 @@ def test_drafting_flags_reach_the_round_and_keep_greedy_output(tmp_path, capsys)
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens=0 must be at least 1"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature -1.0 is negative"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
-    (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be between 1 and 1024"),
-    (["--prompt", "hi", "--budget", "100000"], "budget=100000 must be between 1 and 1024"),
+    (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be a whole number of drafted nodes between 1 and 1024"),
+    (["--prompt", "hi", "--budget", "100000"], "budget=100000 must be a whole number of drafted nodes between 1 and 1024"),
     (["--prompt", "hi", "--method", "dflash", "--drafter", "/no/such/drafter"], "/no/such/drafter"),
     (["--prompt", "hi", "--method", "ar", "--drafter", "random"], "method 'ar' uses no block drafter"),
 ])
@@ -251,17 +251,30 @@ def test_flags_share_one_vocabulary_across_commands(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--rollouts", "x", "--loss", "nope", "--out", "y"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+    # An old spelling is not read as a prefix of the new one (argparse's abbreviations are off).
+    for argv, old in ((["generate", "--prompt", "hi", "--temp", "0.7"], "--temp 0.7"),
+                      (["generate", "--prompt", "hi", "--skip"], "--skip"),
+                      (["train", "--rollouts", "x", "--loss", "dflash", "--out", "y", "--batch", "2"], "--batch 2")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and f"unrecognized arguments: {old}" in capsys.readouterr().err
 
 
-def test_generation_config_is_checked_when_made_and_names_unknown_settings():
+def test_generation_config_is_checked_when_made_and_names_unknown_settings(unchecked):
     from treespark_jax.generation import GenerationConfig
 
     with pytest.raises(ValueError, match="temperature -1 is negative"):
         GenerationConfig(temperature=-1)
-    with pytest.raises(ValueError, match="budget=0 must be between 1 and 1024"):
+    with pytest.raises(ValueError, match="budget=0 must be a whole number of drafted nodes between 1 and 1024"):
         GenerationConfig(budget=0)
     with pytest.raises(ValueError, match="method 'fast' is unknown"):
         GenerationConfig(method="fast")
+    with pytest.raises(ValueError, match="budget=4.5 must be a whole number"):
+        GenerationConfig(budget=4.5)
+    with pytest.raises(ValueError, match="builder 'foo' is unknown"):
+        GenerationConfig(builder="foo")
+    with pytest.raises(ValueError, match="verify rule 'greedy' is what temperature 0 uses"):
+        GenerationConfig(verify="greedy")
     with pytest.raises(ValueError, match="'temp' is not a generation setting; use one of max_new_tokens, temperature"):
         GenerationConfig.of(temp=0.7)
     config = GenerationConfig(method="treespark", builder="chain", temperature=0.5)

@@ -314,7 +314,7 @@ def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flags, message", [
     (["--contexts", "64,x"], "contexts '64,x' must be comma-separated positive integers"),
     (["--contexts", "256,64"], "strictly ascending"),
-    (["--budget", "0"], "budget=0 must be between 1 and 1024"),
+    (["--budget", "0"], "budget=0 must be a whole number of drafted nodes between 1 and 1024"),
     (["--repeats", "0"], "repeats=0 must be at least 1"),
     (["--json-out", "/nonexistent-folder/x.json"], "--json-out /nonexistent-folder/x.json: its folder does not exist"),
     (["--json-out", "."], "--json-out . is a directory; give a file path"),

@@ -331,8 +331,8 @@ def test_heads_and_configs_reject_bad_settings(target32):
 def test_greedy_speculative_with_a_random_drafter_equals_greedy_ar(target64, ar_reference, builder):
     proposer = BlockProposer.create(make_drafter(target64, block_size=6), target64)
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder=builder)
-    ids, stats = Engine(target64, stop_ids=[]).generate(PROMPTS, 40, spec=speculation(proposer, tree,
-                                                                                     stop=builder == "treespark"))
+    spec = speculation(proposer, tree, cost_aware_stop=builder == "treespark")
+    ids, stats = Engine(target64, stop_ids=[]).generate(PROMPTS, 40, spec=spec)
     assert ids == ar_reference
     assert_round_accounting(ids, stats, tree.max_depth)
 
@@ -368,12 +368,12 @@ def test_context_after_real_rounds_is_the_committed_sequence(x64):
 def test_one_program_per_budget_for_a_generation_with_the_drafter(target64):
     eng = Engine(target64, stop_ids=[])
     proposer = BlockProposer.create(make_drafter(target64, block_size=6), target64)
-    spec = speculation(proposer, TreeConfig(budget=8, max_depth=6, branch=4, builder="treespark"), stop=True)
+    spec = speculation(proposer, TreeConfig(budget=8, max_depth=6, branch=4, builder="treespark"), cost_aware_stop=True)
     eng.generate([[3, 1, 4]], 128, spec=spec)
     ids, stats = eng.generate([[2, 7, 1, 8, 2]], 128, spec=spec)
     assert len(ids[0]) == 128 and stats.compiles == 0
     _, stats = eng.generate([[2, 7, 1, 8, 2]], 128, spec=speculation(proposer, TreeConfig(
-        budget=16, max_depth=6, branch=4, builder="treespark"), stop=True))
+        budget=16, max_depth=6, branch=4, builder="treespark"), cost_aware_stop=True))
     assert stats.compiles == 2  # a new maximum budget: its prefill and its round program
 
 

@@ -141,8 +141,8 @@ def test_the_cost_aware_stop_follows_the_recipe_unless_overridden(target64, ar_r
     ("ar", {"skip_drafting": True}, "drop the drafter, builder, verify, skip_drafting and cost_aware_stop options"),
     ("ar", {"cost_aware_stop": True}, "drop the drafter, builder, verify, skip_drafting and cost_aware_stop options"),
     ("prompt_lookup", {"cost_aware_stop": True}, "'prompt_lookup' has no draft probabilities for the cost-aware stop"),
-    ("prompt_lookup", {"budget": 0}, "budget=0 must be between 1 and 1024"),
-    ("prompt_lookup", {"budget": 1025}, "budget=1025 must be between 1 and 1024"),
+    ("prompt_lookup", {"budget": 0}, "budget=0 must be a whole number of drafted nodes between 1 and 1024"),
+    ("prompt_lookup", {"budget": 1025}, "budget=1025 must be a whole number of drafted nodes between 1 and 1024"),
 ])
 def test_bad_method_settings_are_one_sentence_errors(target64, method, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -118,17 +118,17 @@ FEW = FewProposals(V, block_size=4, pool_size=16, markov_rank=4, proposal_seeds=
 CASES = {  # name: (speculation or None for AR, temperature, top_p)
     "ar": (None, 1.0, 1.0),
     "ar-temp0.8-top_p0.9": (None, 0.8, 0.9),
-    "rejection-treespark": (spec(FEW, TreeConfig(**TREE, builder="treespark"), stop=True), 1.0, 1.0),
+    "rejection-treespark": (spec(FEW, TreeConfig(**TREE, builder="treespark"), cost_aware_stop=True), 1.0, 1.0),
     "rejection-parent_conditioned": (
         spec(FEW, TreeConfig(**TREE, builder="parent_conditioned")), 1.0, 1.0),
     "rejection-treespark-temp0.8-top_p0.9": (
-        spec(FEW, TreeConfig(**TREE, builder="treespark"), stop=True), 0.8, 0.9),
+        spec(FEW, TreeConfig(**TREE, builder="treespark"), cost_aware_stop=True), 0.8, 0.9),
     "match-parent_conditioned": (
         spec(FEW, TreeConfig(**TREE, builder="parent_conditioned"), verify="match"), 1.0, 1.0),
     # Draft skipping where drafting never pays: round 1 drafts, round 2 is a target step, round 3
     # drafts again (a probe), so emitted tokens mix both kinds of round.
-    "rejection-treespark-skipping": (spec(FEW, TreeConfig(**TREE, builder="treespark"), stop=True, skip=True),
-                                     1.0, 1.0),
+    "rejection-treespark-skipping": (spec(FEW, TreeConfig(**TREE, builder="treespark"), cost_aware_stop=True,
+                                          skip_drafting=True), 1.0, 1.0),
     "match-prompt_lookup-chain": (
         spec(PromptLookup(V, block_size=4), TreeConfig(budget=3, max_depth=3, branch=1, builder="chain"),
              verify="match"), 1.0, 1.0),

@@ -147,9 +147,9 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     one = Engine(target, stop_ids=[])
     ar, _ = one.generate(SPEC_PROMPTS, 40)
     spec_one, _ = one.generate(SPEC_PROMPTS, 40, spec=speculation(BlockProposer.create(drafter, target), tree,
-                                                                  stop=True))
+                                                                  cost_aware_stop=True))
     engine = Engine(target, stop_ids=[], mesh=make_mesh("data=2,model=4"))
-    spec = speculation(BlockProposer.create(drafter, engine.model), tree, stop=True)
+    spec = speculation(BlockProposer.create(drafter, engine.model), tree, cost_aware_stop=True)
     session = engine.session(spec, greedy=True)  # compiled ahead of time from shapes, on the mesh
     warmed = session.warmup(batch=len(SPEC_PROMPTS), prompt_len=8, max_new_tokens=40)
     warm_ids, warm_stats = session.generate(SPEC_PROMPTS, 40)
@@ -177,9 +177,9 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     long_ids, long_stats = engine.generate([[2, 7, 1, 8, 2]], 300, spec=spec)
     report["long"] = [len(long_ids[0]), long_stats.compiles]
     report["new_budget_programs"] = engine.generate([[2, 7, 1, 8, 2]], 128, spec=speculation(spec.proposer, TreeConfig(
-        budget=32, max_depth=6, branch=4, builder="treespark"), stop=True))[1].compiles
+        budget=32, max_depth=6, branch=4, builder="treespark"), cost_aware_stop=True))[1].compiles
     report["long_equal"] = long_ids == one.generate([[2, 7, 1, 8, 2]], 300, spec=speculation(
-        BlockProposer.create(drafter, target), tree, stop=True))[0]
+        BlockProposer.create(drafter, target), tree, cost_aware_stop=True))[0]
 
     # The API on a mesh (what `treespark generate --mesh` runs): the same replies as one device.
     from treespark_jax.api import load

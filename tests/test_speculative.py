@@ -55,8 +55,8 @@ def run_greedy_case(model, ar_reference, case, batch):
     kind, builder, budget, depth, branch = case
     tree = TreeConfig(budget=budget, max_depth=depth, branch=branch, builder=builder)
     prompts = PROMPTS[:batch]
-    ids, stats = Engine(model, stop_ids=[]).generate(prompts, 40, spec=speculation(proposer(kind), tree,
-                                                                                stop=builder == "treespark"))
+    spec = speculation(proposer(kind), tree, cost_aware_stop=builder == "treespark")
+    ids, stats = Engine(model, stop_ids=[]).generate(prompts, 40, spec=spec)
     assert ids == ar_reference[:batch]
     assert_round_accounting(ids, stats, depth)
 
@@ -120,7 +120,7 @@ def test_skipped_rounds_keep_greedy_output_and_probe_with_backoff(model, ar_refe
     """Where drafting never pays, rounds skip the drafter in pauses of 1, 2, 4, … rounds between
     drafted probes; the output is still greedy AR's, from one program."""
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
-    spec = speculation(proposer(kind), tree, stop=True, skip=True)
+    spec = speculation(proposer(kind), tree, cost_aware_stop=True, skip_drafting=True)
     ids, stats = Engine(model, stop_ids=[], cost=flat_cost(1e-3)).generate(PROMPTS[:batch], 40, spec=spec)
     assert ids == ar_reference[:batch]
     assert stats.compiles == 2  # the prefill and the round program, skipping inside it
@@ -133,7 +133,7 @@ def test_skipped_rounds_keep_greedy_output_and_probe_with_backoff(model, ar_refe
     # Where drafting always pays, or skipping is off, no round skips.
     for cost, skip in ((flat_cost(1e6), True), (flat_cost(1e-3), False)):
         ids, stats = Engine(model, stop_ids=[], cost=cost).generate(
-            PROMPTS[:batch], 40, spec=speculation(proposer(kind), tree, stop=True, skip=skip))
+            PROMPTS[:batch], 40, spec=speculation(proposer(kind), tree, cost_aware_stop=True, skip_drafting=skip))
         assert ids == ar_reference[:batch] and stats.skipped_rounds == 0
 
 
@@ -141,7 +141,8 @@ def test_a_skipping_loop_run_in_pieces_runs_the_same_rounds(model, ar_reference)
     """Streaming advances the loop a round at a time: a pause carried into the next call is
     finished before drafting again, so the rounds (and the output) match one whole call."""
     eng = Engine(model, stop_ids=[], cost=flat_cost(1e-3))
-    spec = speculation(proposer("random"), TreeConfig(budget=16, max_depth=6, branch=4), stop=True, skip=True)
+    spec = speculation(proposer("random"), TreeConfig(budget=16, max_depth=6, branch=4), cost_aware_stop=True,
+                       skip_drafting=True)
     session = eng.session(spec, greedy=True)
     state, requests = session.start(PROMPTS[:1], 40, 0.0, 1.0, 0)
     whole = session.run(state, requests, 40)
@@ -158,13 +159,13 @@ def test_a_skipping_loop_run_in_pieces_runs_the_same_rounds(model, ar_reference)
 def test_one_program_per_budget_for_a_long_generation(model):
     eng = Engine(model, stop_ids=[])
     tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
-    spec = speculation(RandomProposer(V, 8, 48, 4), tree, stop=True)
+    spec = speculation(RandomProposer(V, 8, 48, 4), tree, cost_aware_stop=True)
     eng.generate([[3, 1, 4]], 256, spec=spec)
     ids, stats = eng.generate([[2, 7, 1, 8, 2]], 256, spec=spec)
     assert len(ids[0]) == 256 and stats.compiles == 0
     assert len([r for r in stats.rung_rounds if r]) >= 1
     _, stats = eng.generate([[2, 7, 1, 8, 2]], 256, spec=speculation(spec.proposer, TreeConfig(
-        budget=32, max_depth=6, branch=4, builder="treespark"), stop=True))
+        budget=32, max_depth=6, branch=4, builder="treespark"), cost_aware_stop=True))
     assert stats.compiles == 2  # a new maximum budget: its prefill and its round program
 
 

@@ -118,6 +118,19 @@ def tree_temperature(rule: str, temperature):
     return jnp.where(greedy_tree(rule, temperature), 1.0, temperature)
 
 
+def sampling_rule(value: str) -> VerifyRule:
+    """The verify rule named ``value`` for sampling (temperature > 0): ``MATCH`` or ``REJECTION``.
+
+    Raises:
+      ValueError: an unknown rule, or ``greedy`` (what temperature 0 always uses).
+    """
+    rule = parse_enum(VerifyRule, value, "verify rule")
+    if rule is VerifyRule.GREEDY:
+        raise ValueError("verify rule 'greedy' is what temperature 0 uses; choose 'match' or 'rejection' "
+                         "for sampling.")
+    return rule
+
+
 def default_ladder(budget: int) -> tuple[int, ...]:
     """Verify sizes ``N/8, N/4, N/2, N`` (rounded up, deduplicated, at least 1) for budget ``N``."""
     return tuple(sorted({max(1, -(-budget // k)) for k in (8, 4, 2, 1)}))

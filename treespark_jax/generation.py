@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from treespark_jax.config import Builder, parse_enum, sampling_rule
 from treespark_jax.decode.engine import check_sampling
 from treespark_jax.methods import DEFAULT_BUDGET, check_budget, recipe
 
@@ -68,6 +69,10 @@ class GenerationConfig:
         check_budget(self.budget)
         if self.method is not None:
             recipe(self.method)
+        if self.builder is not None:
+            parse_enum(Builder, self.builder, "builder")
+        if self.verify is not None:
+            sampling_rule(self.verify)
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ cost-aware stop unless ``cost_aware_stop=False``); the drafter is passed by the 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import TYPE_CHECKING
 
 from treespark_jax.config import Builder, DrafterConfig, ModelConfig, TreeConfig, VerifyRule, parse_enum
@@ -105,8 +106,8 @@ against the whole KV cache; a budget of 100,000 asked the CPU for a terabyte bef
 
 def check_budget(budget: int) -> None:
     """Raises ``ValueError`` (one sentence) for a tree budget outside ``1..MAX_BUDGET``."""
-    if not 1 <= budget <= MAX_BUDGET:
-        raise ValueError(f"budget={budget} must be between 1 and {MAX_BUDGET} drafted nodes.")
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget={budget} must be a whole number of drafted nodes between 1 and {MAX_BUDGET}.")
 
 
 def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,

@@ -28,8 +28,16 @@ _COMMANDS = {"generate": generate, "bench": bench, "models": models, "profile": 
              "eval-drafter": eval_drafter, "train": train}  # in the order of ``--help``
 
 
+class _ExactParser(argparse.ArgumentParser):
+    """A parser that reads a flag only by its full name: a retired flag such as ``--temp`` is
+    refused, not read as a prefix of ``--temperature``. Subcommand parsers are of the same class."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ExactParser(
         prog="treespark",
         description="Lossless tree speculative decoding with a learned block drafter (JAX/Flax).")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from treespark_jax.config import TreeConfig, VerifyRule, default_ladder, parse_enum
+from treespark_jax.config import TreeConfig, VerifyRule, default_ladder, sampling_rule
 from treespark_jax.decode.cost_model import CostModel
 from treespark_jax.drafter.proposer import Proposer
 
@@ -46,11 +46,7 @@ class Speculation:
     skip_drafting: bool
 
     def __post_init__(self):
-        rule = parse_enum(VerifyRule, self.verify, "verify rule")
-        if rule is VerifyRule.GREEDY:
-            raise ValueError("verify rule 'greedy' is what temperature 0 uses; choose 'match' or 'rejection' "
-                             "for sampling.")
-        object.__setattr__(self, "verify", rule)
+        object.__setattr__(self, "verify", sampling_rule(self.verify))
 
 
 @dataclasses.dataclass(frozen=True)
