@@ -28,7 +28,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from treespark_jax.bench.profile import forward_call, forward_program, interleaved_seconds, parse_contexts
+from treespark_jax.bench.profile import forward_call, forward_program, interleaved_seconds
+from treespark_jax.cli.common import comma_list
 from treespark_jax.decode.buckets import cache_capacity
 from treespark_jax.models import kv_cache
 from treespark_jax.models.load import load_target
@@ -37,8 +38,8 @@ from treespark_jax.models.load import load_target
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="smollm2-135m")
-    parser.add_argument("--contexts", default="64,256,1024,2048", type=parse_contexts)
-    parser.add_argument("--rows", default="1,9", type=parse_contexts)
+    parser.add_argument("--contexts", default="64,256,1024,2048", type=lambda t: comma_list("--contexts", t, int))
+    parser.add_argument("--rows", default="1,9", type=lambda t: comma_list("--rows", t, int))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json-out", default="experiments/results/bench_context.json")
     args = parser.parse_args()

@@ -140,7 +140,8 @@ def check(args, sets, temps, out: Path) -> None:
         SystemExit: no measured page under ``out``, or a protocol flag that differs from the page's.
     """
     if not (out / "meta.json").is_file():
-        raise SystemExit(f"--check needs a measured page: {out / 'meta.json'} does not exist; run without --check first.")
+        raise SystemExit(f"--check needs a measured page: {out / 'meta.json'} does not exist; "
+                         "run without --check first.")
     meta = json.loads((out / "meta.json").read_text())
     for s in sets:
         for t in temps:
@@ -156,7 +157,8 @@ def check(args, sets, temps, out: Path) -> None:
     rows = [row for s in sets for t in temps
             for row in compare_runs(s, t, json.loads((out / f"bench-{s}-t{t:g}.json").read_text()),
                                     json.loads((out / "check" / f"bench-{s}-t{t:g}.json").read_text()))]
-    run = {"date": time.strftime("%Y-%m-%d"), "machine": describe_machine(), "others_cpu": others_share(clock, cpu_clock())}
+    run = {"date": time.strftime("%Y-%m-%d"), "machine": describe_machine(),
+           "others_cpu": others_share(clock, cpu_clock())}
     _write_checked_rows(out, checked_rows(out, drop=[(s, t) for s in sets for t in temps]) +
                         [{**r, **run} for r in rows])
 

@@ -57,7 +57,8 @@ def verdicts(rows: list[dict], budgets: list[int]) -> list[str]:
         best = max(ts, key=lambda r: r["speedup"])
         low = best["speedup"] - best["speedup_iqr"] / 2
         verdict = ("above 1 by more than half its IQR" if low > 1 else
-                   "above 1, but within half its IQR of 1: not a clear speedup" if best["speedup"] > 1 else "not above 1")
+                   "above 1, but within half its IQR of 1: not a clear speedup" if best["speedup"] > 1
+                   else "not above 1")
         out.append(f"treespark's best speedup over AR: {best['speedup']:.2f} ± {best['speedup_iqr']:.2f} "
                    f"at budget {best['budget']} ({verdict})")
     drafted = [r for r in rows if r["budget"] is not None]

@@ -75,6 +75,7 @@ def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path
 @pytest.mark.parametrize("flags, message", [
     (["--methods", "ar,fast"], "unknown method 'fast'"),
     (["--budgets", "4,x"], "--budgets '4,x' must be comma-separated integers"),
+    (["--budgets", "4,,8"], "--budgets '4,,8' has an empty entry"),
     (["--budgets", "0"], "budget=0 must be a whole number of drafted nodes between 1 and 1024"),
     (["--budgets", "4,100000"], "budget=100000 must be a whole number of drafted nodes between 1 and 1024"),
     (["--repeats", "0"], "--repeats 0 must be at least 1"),

@@ -118,7 +118,7 @@ def test_drafting_flags_reach_the_round_and_keep_greedy_output(tmp_path, capsys)
     (["--prompt", " ", "--chat"], "the prompt is empty"),
     (["--prompt", "hi", "--seed", "-1"], "seed -1 is outside 0..4294967295"),
     (["--prompt", "hi " * 9000], "more than the model's context of 8192 tokens"),
-    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens=0 must be at least 1"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature -1.0 is negative"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
     (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be a whole number of drafted nodes between 1 and 1024"),
@@ -271,6 +271,12 @@ def test_generation_config_is_checked_when_made_and_names_unknown_settings(unche
         GenerationConfig(method="fast")
     with pytest.raises(ValueError, match="budget=4.5 must be a whole number"):
         GenerationConfig(budget=4.5)
+    for name, value in (("temperature", "0.7"), ("top_p", None), ("max_new_tokens", 8.0), ("max_new_tokens", True)):
+        with pytest.raises(ValueError, match=f"{name}={value!r} must be a"):
+            GenerationConfig(**{name: value})
+    for seed in ("3", [1, "2"], 1.5):
+        with pytest.raises(ValueError, match="must be a whole number or a list of them"):
+            GenerationConfig(seed=seed)
     with pytest.raises(ValueError, match="builder 'foo' is unknown"):
         GenerationConfig(builder="foo")
     with pytest.raises(ValueError, match="verify rule 'greedy' is what temperature 0 uses"):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from treespark_jax.bench.profile import check_profile_args, parse_contexts, profile_cost, profile_rows
+from treespark_jax.bench.profile import check_profile_args, profile_cost, profile_rows
 from treespark_jax.cli import main
 from treespark_jax.config import TreeConfig
 from treespark_jax.drafter.prompt_lookup import PromptLookup
@@ -241,13 +241,14 @@ def test_shipped_default_is_a_fitted_profile_covering_the_cpu_budgets():
 # ------------------------------------------------------------------------------ profiler and CLI
 
 
-def test_profile_rows_and_contexts_parsing():
+def test_profile_rows_and_contexts_checks():
     assert profile_rows(32) == (2, 3, 5, 9, 17, 33) and profile_rows(1) == (2,)
     assert profile_rows(12) == (2, 3, 4, 7, 13)  # rungs of 12, 6, 3 and 1
-    assert parse_contexts("64,256") == (64, 256)
-    for bad in ("64,x", "", "256,64", "0,8", "8,8"):
-        with pytest.raises(ValueError, match="contexts"):
-            parse_contexts(bad)
+    check_profile_args(16, (64, 256), 1)
+    for bad, words in (((), "at least one context"), ((256, 64), "ascending"), ((8, 8), "ascending"),
+                       ((0, 8), "context 0 must be at least 1")):
+        with pytest.raises(ValueError, match=words):
+            check_profile_args(16, bad, 1)
 
 
 def test_profile_contexts_are_committed_tokens_with_room_for_the_verify_rows():
@@ -312,10 +313,11 @@ def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--contexts", "64,x"], "contexts '64,x' must be comma-separated positive integers"),
-    (["--contexts", "256,64"], "strictly ascending"),
+    (["--contexts", "64,x"], "--contexts '64,x' must be comma-separated integers"),
+    (["--contexts", "64,,256"], "--contexts '64,,256' has an empty entry"),
+    (["--contexts", "256,64"], "contexts 256, 64 must be in strictly ascending order"),
     (["--budget", "0"], "budget=0 must be a whole number of drafted nodes between 1 and 1024"),
-    (["--repeats", "0"], "repeats=0 must be at least 1"),
+    (["--repeats", "0"], "--repeats 0 must be at least 1"),
     (["--json-out", "/nonexistent-folder/x.json"], "--json-out /nonexistent-folder/x.json: its folder does not exist"),
     (["--json-out", "."], "--json-out . is a directory; give a file path"),
 ])

@@ -463,6 +463,25 @@ def test_output_paths_that_cannot_be_written_are_one_sentence_errors(tmp_path, c
     assert (tmp_path / "f").read_text() == "not a directory"
 
 
+@pytest.mark.parametrize("command, message", [
+    (["rollout", "--prompts", "gsm8k", "--batch-size", "0", "--out", "{dir}/r"], "--batch-size 0 must be at least 1"),
+    (["rollout", "--prompts", "gsm8k", "--max-new-tokens", "0", "--out", "{dir}/r"],
+     "--max-new-tokens 0 must be at least 1"),
+    (["train", "--rollouts", "{dir}", "--loss", "dspark", "--seq-len", "1", "--out", "{dir}/r"],
+     "--seq-len 1 must be at least 2"),
+    (["eval-drafter", "--drafter", "{dir}", "--rollouts", "{dir}", "--budget", "-1"], "--budget -1 must be at least 0"),
+    (["eval-drafter", "--drafter", "{dir}", "--rollouts", "{dir}", "--budget", "2000"],
+     "--budget 2000 must be at most 1024 \\(0: chain τ only\\)"),
+    (["profile", "--repeats", "0"], "--repeats 0 must be at least 1"),
+])
+def test_count_flags_are_named_as_typed_before_anything_loads(tmp_path, capsys, command, message):
+    assert main([a.format(dir=tmp_path) for a in command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("treespark: error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_second_writer_of_a_rollout_directory_is_refused(tmp_path, target, prompts, engine):
     from treespark_jax.files import hold_lock
 

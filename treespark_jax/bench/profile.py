@@ -178,27 +178,12 @@ def round_part_calls(target: Decoder, proposer: BlockProposer, tree: TreeConfig,
             "verify": forward_call(target, rows, context, capacity)}
 
 
-def parse_contexts(text: str) -> tuple[int, ...]:
-    """``"64,256,1024"`` → ``(64, 256, 1024)``.
-
-    Raises:
-      ValueError: unless ``text`` is comma-separated positive integers in strictly ascending order.
-    """
-    try:
-        contexts = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise ValueError(f"contexts {text!r} must be comma-separated positive integers, e.g. 64,256,1024.") from None
-    if not contexts or min(contexts) < 1 or list(contexts) != sorted(set(contexts)):
-        raise ValueError(f"contexts {text!r} must be positive integers in strictly ascending order.")
-    return contexts
-
-
 def check_profile_args(budget: int, contexts: tuple[int, ...], repeats: int, max_positions: int | None = None) -> None:
     """Validates ``profile_cost``'s settings before anything is loaded or compiled.
 
     Raises:
-      ValueError: a budget outside ``1..MAX_BUDGET``, a repeat count below 1, no contexts, a
-        context below 1 token, or a context whose verify rows (``budget + 1``) pass the model's
+      ValueError: a budget outside ``1..MAX_BUDGET``, a repeat count below 1, no contexts,
+        contexts not in strictly ascending order, a context below 1 token, or a context whose verify rows (``budget + 1``) pass the model's
         ``max_positions``.
     """
     check_budget(budget)
@@ -206,6 +191,8 @@ def check_profile_args(budget: int, contexts: tuple[int, ...], repeats: int, max
         raise ValueError(f"repeats={repeats} must be at least 1.")
     if not contexts:
         raise ValueError("give at least one context length to profile.")
+    if list(contexts) != sorted(set(contexts)):
+        raise ValueError(f"contexts {', '.join(map(str, contexts))} must be in strictly ascending order.")
     if contexts[0] < 1:
         raise ValueError(f"context {contexts[0]} must be at least 1 committed token.")
     if max_positions is not None and contexts[-1] + budget + 1 > max_positions:

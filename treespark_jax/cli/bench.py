@@ -8,8 +8,8 @@ import os
 import platform
 import sys
 
-from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_out_file,
-                                      generation_config, target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_at_least, check_out_file,
+                                      comma_list, generation_config, target_name)
 from treespark_jax.methods import DRAFTER_METHODS, METHODS
 
 ALL_METHODS = ",".join(METHODS)
@@ -41,16 +41,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_override_args(b, "every drafter method's")
     add_mesh_arg(b)
     b.add_argument("--json-out", default=None, metavar="FILE", help="also write protocol and rows as JSON")
-
-
-def _csv(text: str, what: str, cast=str) -> list:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"--{what} {text!r} lists nothing; give comma-separated values.")
-    try:
-        return [cast(t) for t in items]
-    except ValueError:
-        raise ValueError(f"--{what} {text!r} must be comma-separated integers.") from None
 
 
 def _drafters(pairs: list[str]) -> dict[str, str]:
@@ -91,12 +81,10 @@ def run(args: argparse.Namespace) -> None:
         folder, a bad ``--drafter``, and whatever ``load_prompts``, ``api.load`` (a bad ``--mesh``)
         and ``bench.compare`` raise.
     """
-    methods = _csv(args.methods, "methods")
-    budgets = _csv(args.budgets, "budgets", int)
+    methods = comma_list("--methods", args.methods)
+    budgets = comma_list("--budgets", args.budgets, int)
     drafters = _drafters(args.drafter)
-    for name in ("limit", "repeats"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1.")
+    check_at_least(args, limit=1, repeats=1)
     check_out_file("--json-out", args.json_out)
 
     from treespark_jax.bench.compare import check_methods, compare, cpu_model

@@ -1,6 +1,7 @@
 """Flags shared by the commands: the target (``--preset`` or ``--target``, and ``--dtype``), the
 device mesh (``--mesh``, wherever a model runs), the decoding overrides of ``generate`` and
-``bench``, the ``GenerationConfig`` their flags make, and the check of an output file flag.
+``bench``, the ``GenerationConfig`` their flags make, and the checks of count flags and of an
+output file flag (each refusal names the flag as typed: ``--batch-size 0``).
 
 One vocabulary across commands: ``--temperature``, ``--top-p``, ``--seed``, ``--max-new-tokens``;
 ``--batch-size`` for rows per batch; ``--limit`` for how many prompts; ``--out DIR`` always a
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from treespark_jax.config import BUILDERS, VERIFY_RULES
 from treespark_jax.models.presets import DEFAULT_PRESET, PRESETS
@@ -62,8 +65,40 @@ def generation_config(args: argparse.Namespace, **fields):
 
     from treespark_jax.generation import GenerationConfig
 
+    check_at_least(args, max_new_tokens=1)
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
     return GenerationConfig(**{**flags, **fields})
+
+
+def check_at_least(args: argparse.Namespace, **lows: int) -> None:
+    """Checks count flags before any slow work: each flag ``name`` given (not ``None``) is at least
+    ``lows[name]``.
+
+    Raises:
+      ValueError: naming the first flag below its limit, as typed (``--batch-size 0``).
+    """
+    for name, low in lows.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be at least {low}.")
+
+
+def comma_list(flag: str, text: str, cast: Callable[[str], Any] = str) -> list:
+    """The comma-separated values of flag ``flag``, each passed through ``cast`` (``int`` for numbers).
+
+    Raises:
+      ValueError: naming the flag and its text, for an empty list, an empty entry (``4,,8``) or an
+        entry ``cast`` refuses.
+    """
+    items = [t.strip() for t in text.split(",")]
+    if not any(items):
+        raise ValueError(f"{flag} {text!r} lists nothing; give comma-separated values.")
+    if not all(items):
+        raise ValueError(f"{flag} {text!r} has an empty entry; give comma-separated values.")
+    try:
+        return [cast(t) for t in items]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers.") from None
 
 
 def target_name(args: argparse.Namespace) -> str:

@@ -6,9 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from treespark_jax.cli.common import check_out_file
+from treespark_jax.cli.common import check_at_least, check_out_file
 from treespark_jax.config import BUILDERS
-from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
+from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, MAX_BUDGET
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,9 +43,9 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.rollouts.records import STORED_KEYS
     from treespark_jax.train.evaluate import evaluate_drafter, rollout_batches
 
-    for name in ("anchors", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1.")
+    check_at_least(args, anchors=1, batch_size=1, budget=0)
+    if args.budget > MAX_BUDGET:
+        raise ValueError(f"--budget {args.budget} must be at most {MAX_BUDGET} (0: chain τ only).")
     check_out_file("--json-out", args.json_out)
     meta = read_meta(args.drafter)  # a bad path fails before the target loads
     lm = load(meta.binding.name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treespark_jax.cli.common import add_target_args, check_out_file, target_name
+from treespark_jax.cli.common import add_target_args, check_at_least, check_out_file, comma_list, target_name
 from treespark_jax.methods import DEFAULT_BUDGET
 
 
@@ -37,13 +37,14 @@ def run(args: argparse.Namespace) -> None:
       ValueError: bad ``--budget``, ``--contexts``, ``--repeats`` or ``--json-out`` (checked before the target loads),
         a target the loader rejects, or a drafter checkpoint ``load_drafter`` rejects.
     """
-    from treespark_jax.bench.profile import check_profile_args, cost_table, parse_contexts, profile_cost
+    from treespark_jax.bench.profile import check_profile_args, cost_table, profile_cost
     from treespark_jax.decode.cost_store import profile_path, save_cost_model, target_id
     from treespark_jax.drafter.checkpoint import load_drafter
     from treespark_jax.drafters import shipped_drafter
     from treespark_jax.models.load import load_target
 
-    contexts = parse_contexts(args.contexts)
+    contexts = tuple(comma_list("--contexts", args.contexts, int))
+    check_at_least(args, repeats=1)
     check_profile_args(args.budget, contexts, args.repeats)  # before the slow load
     check_out_file("--json-out", args.json_out)
     name = target_name(args)

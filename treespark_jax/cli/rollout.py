@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import add_mesh_arg, add_target_args, target_name
+from treespark_jax.cli.common import add_mesh_arg, add_target_args, check_at_least, comma_list, target_name
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
 
@@ -56,14 +56,10 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.prompts.sets import PROMPT_SETS
     from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
 
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit {args.limit} must be at least 1.")
+    check_at_least(args, limit=1, max_new_tokens=1, batch_size=1)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file, not a rollout directory.")
-    try:
-        layer_ids = [int(x) for x in args.layer_ids.split(",")] if args.layer_ids else None
-    except ValueError:
-        raise ValueError(f"--layer-ids {args.layer_ids!r} must be comma-separated integers, e.g. 1,8,14.") from None
+    layer_ids = comma_list("--layer-ids", args.layer_ids, int) if args.layer_ids else None
     is_set = args.prompts in PROMPT_SETS
     split = args.split or ("train" if is_set else None)
     prompts = load_prompts(args.prompts, split)[: args.limit]  # before the slow target load

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import add_mesh_arg, add_target_args, check_out_file, target_name
+from treespark_jax.cli.common import add_mesh_arg, add_target_args, check_at_least, check_out_file, target_name
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,10 +45,7 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.files import write_text_atomic
     from treespark_jax.prompts.self_generated import self_generated_prompts
 
-    for flag, value, low in (("--limit", args.limit, 1), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--batch-size", args.batch_size, 1), ("--seed", args.seed, 0)):
-        if value < low:
-            raise ValueError(f"{flag} {value} must be at least {low}.")
+    check_at_least(args, limit=1, max_new_tokens=1, batch_size=1, seed=0)
     check_out_file("--json-out", args.json_out)
     out = Path(args.json_out)
     if out.exists():

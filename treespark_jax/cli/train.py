@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import add_mesh_arg, add_target_args
+from treespark_jax.cli.common import add_mesh_arg, add_target_args, check_at_least, comma_list
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -98,9 +98,7 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.train.loop import train
 
     maybe_initialize_distributed()  # before any JAX computation
-    for flag in ("steps", "batch_size", "anchors"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1.")
+    check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2)
     cfg = TrainConfig(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,
                       seed=args.seed, seq_len=args.seq_len, anchors=args.anchors, trees=args.trees,
@@ -110,19 +108,17 @@ def run(args: argparse.Namespace) -> None:
     loss_cfg = parse_loss_weights(args.loss_weights)
     init_layers = None
     if args.init_layers is not None:
-        try:
-            init_layers = [int(x) for x in args.init_layers.split(",")]
-        except ValueError:
-            raise ValueError(f"--init-layers {args.init_layers!r} must be comma-separated layer numbers.") from None
+        init_layers = comma_list("--init-layers", args.init_layers, int)
     mesh = parse_mesh(args.mesh)
     enable_compilation_cache()
     r = train(args.rollouts, args.loss, args.out, cfg, target=args.target or args.preset, dtype=args.dtype,
-              drafter_fields=fields, init=args.init, init_layers=init_layers, loss_cfg=loss_cfg, mesh=mesh, stop_after=args.stop_after,
-              progress=not args.quiet)
+              drafter_fields=fields, init=args.init, init_layers=init_layers, loss_cfg=loss_cfg, mesh=mesh,
+              stop_after=args.stop_after, progress=not args.quiet)
     m = r.metrics
     rows = [("run", str(r.out)), ("steps", f"{r.start_step} → {r.step} of {cfg.steps}"),
             ("loss", f"{m['loss']:.4f}" if "loss" in m else "-"),
             ("τ (chain)", f"{m['tau']:.3f}" if "tau" in m else "-"),
             ("α/depth", " ".join(f"{a:.2f}" for a in m.get("alpha", [])) or "-"),
-            ("drafter", str(r.drafter_path) if r.finished else "not yet (re-run without --stop-after, or with a later step, to continue)")]
+            ("drafter", str(r.drafter_path) if r.finished
+             else "not yet (re-run without --stop-after, or with a later step, to continue)")]
     print("\n".join(f"{k:<10} {v}" for k, v in rows))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Collection, Iterator, Sequence
 
 import jax
@@ -52,9 +53,18 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: 
     checks them before loading anything).
 
     Raises:
-      ValueError: one sentence naming the value and its limit (``max_new_tokens < 1``, negative
+      ValueError: one sentence naming the value and its limit (a ``max_new_tokens`` that is not a
+        whole number or below 1, a temperature or top-p that is not a number, a negative
         temperature, top-p outside ``(0, 1]``, a row's seed outside ``0..MAX_SEED``).
     """
+    for name, value, kind in (("max_new_tokens", max_new_tokens, numbers.Integral),
+                              ("temperature", temperature, numbers.Real), ("top_p", top_p, numbers.Real)):
+        if isinstance(value, bool) or not isinstance(value, kind):
+            noun = "a whole number" if kind is numbers.Integral else "a number"
+            raise ValueError(f"{name}={value!r} must be {noun}, not {type(value).__name__}.")
+    listed = seed if isinstance(seed, Sequence) and not isinstance(seed, str | bytes) else [seed]
+    if any(isinstance(s, bool) or not isinstance(s, numbers.Integral) for s in listed):
+        raise ValueError(f"seed={seed!r} must be a whole number or a list of them.")
     bad = next((s for s in row_seeds(n_rows, seed) if not 0 <= s <= MAX_SEED), None)
     if bad is not None:
         raise ValueError(f"seed {bad} is outside 0..{MAX_SEED} (prompt i of a batch uses seed + i).")

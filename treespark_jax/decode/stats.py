@@ -19,7 +19,9 @@ class GenerationStats:
       prefill_s: prefill wall time (seconds), including compiling both programs on first use.
       decode_s: wall time of the decode loop until the last token (seconds, no compilation).
       compiles: programs compiled during the call.
-      tau: mean tokens committed per verify round, bonus included (1 for AR).
+      tau: acceptance length τ: mean drafted tokens the target accepted per verify round plus the
+        bonus token (1 for AR). A last round may accept drafts past ``max_new_tokens``; they count
+        here (they were accepted) though the output is cut there.
       tau_per_depth: acceptance rate at depth ``j + 1`` given depth ``j`` was reached (list;
         ``None`` where depth ``j`` was never reached).
       rung_rounds: rounds that verified each ladder rung (list; empty for AR).
