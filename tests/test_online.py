@@ -31,7 +31,9 @@ from treespark_jax.train.data import train_dataset
 from treespark_jax.train.online import OnlineStep, target_batch
 from treespark_jax.train.step import TrainStep, init_state
 
-from test_train import REPO, rollouts, target, tiny_dir  # noqa: F401  (module fixtures)
+from test_train import (REPO, TRAIN_ARGS, _assert_clean_error, _jsonl, _run_cli_subprocess,  # noqa: F401
+                        other_rollouts, rollouts, target, tiny_dir)  # (module fixtures)
+from treespark_jax.cli import main
 from tiny import tiny_decoder
 
 LAYERS = (0, 2)
@@ -85,7 +87,8 @@ def test_online_equals_offline_exactly_in_float64(loss):
 
 def test_online_steps_equal_offline_steps_on_rollout_directories(target, rollouts):  # noqa: F811
     """float32, the rollouts written by the writer (bucketed forward): batches agree but for values
-    at a bfloat16 rounding boundary (under 1% of them, by under 2⁻⁸ of their row's largest value), losses to 1e-5 and three SGD steps to 5e-3 (what those roundings move)."""
+    at a bfloat16 rounding boundary (under 1% of them, by under 2⁻⁸ of their row's largest value),
+    losses to 1e-5 and three SGD steps to 5e-3 (what those roundings move)."""
     rs = open_rollouts(rollouts)
     cfg = TrainConfig(steps=3, batch=4, seq_len=40, anchors=3, warmup=0)
     head = TargetHead.of(target.model, jnp.float32)
@@ -138,3 +141,114 @@ def test_the_split_program_equals_the_fused_one(target, rollouts):  # noqa: F811
            for fn in (live.jitted(state0, weights), live.jitted(state0, weights, fused=False))]
     assert float(out[0][1]["loss"]) == pytest.approx(float(out[1][1]["loss"]), rel=1e-6)
     assert _rel(jax.tree.map(np.asarray, out[0][0]["params"]), jax.tree.map(np.asarray, out[1][0]["params"])) < 1e-5
+
+
+MESH_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    from treespark_jax.config import TrainConfig
+    from treespark_jax.drafter.model import BlockDrafter, TargetHead
+    from treespark_jax.losses.chain import LossConfig
+    from treespark_jax.mesh import batch_sharding, make_mesh, replicated
+    from treespark_jax.methods import drafter_config
+    from treespark_jax.models.load import load_target
+    from treespark_jax.rollouts.reader import open_rollouts
+    from treespark_jax.sharding import Partitioner
+    from treespark_jax.train.data import train_dataset
+    from treespark_jax.train.online import OnlineStep
+    from treespark_jax.train.parallel import global_batch
+    from treespark_jax.train.step import TrainStep, init_state
+
+    loaded, rs = load_target(sys.argv[1]), open_rollouts(sys.argv[2])
+    cfg = TrainConfig(steps=2, batch=4, seq_len=40, anchors=3, warmup=0)
+    dcfg = drafter_config("dspark", loaded.cfg, target_layer_ids=rs.layer_ids, block_size=4, pool_size=16)
+    drafter = BlockDrafter(dcfg, loaded.cfg, rngs=nnx.Rngs(0), std=0.3)
+    head = TargetHead.of(loaded.model, jnp.float32)
+    tx = optax.sgd(0.3, momentum=0.9)
+    graphdef, state0 = init_state(drafter, tx)
+    weights0 = nnx.state(loaded.model)
+    tokens, offline = train_dataset(rs, cfg, online=True), train_dataset(rs, cfg)
+    host = lambda tree: jax.tree.map(np.asarray, tree)
+    res = {}
+    for shape in ("data=1", "data=2,model=4"):
+        mesh = make_mesh(shape)
+        rules = Partitioner.for_model(mesh, loaded.cfg)
+        step = TrainStep(graphdef, tx, "dspark", LossConfig(), None, mesh, rules)
+        live = OnlineStep(step, nnx.graphdef(loaded.model), tuple(rs.layer_ids))
+        weights, head_m = rules.place(weights0), jax.device_put(head, replicated(mesh))
+        grads = jax.jit(live.loss_and_grads, in_shardings=(rules.shardings(state0["params"]), rules.shardings(weights0),
+                                                            replicated(mesh), batch_sharding(mesh)),
+                        out_shardings=(replicated(mesh), rules.shardings(state0["params"])))
+        (loss, _), g = grads(rules.place(state0["params"]), weights, head_m, global_batch(tokens[0], mesh))
+        state = rules.place(jax.tree.map(jnp.copy, state0))
+        update = live.jitted(state, weights)
+        for s in range(2):
+            state, _ = update(state, weights, head_m, global_batch(tokens[s], mesh), None)
+        res[shape] = dict(loss=float(loss), grads=host(g), params=host(state["params"]),
+                          specs=sorted({str(x.sharding.spec) for x in jax.tree.leaves(weights)}))
+        if shape == "data=1":
+            (off_loss, _), off_g = jax.jit(step.loss_and_grads)(state0["params"], head, offline[0])
+            res["offline"] = dict(loss=float(off_loss), grads=host(off_g))
+
+    def rel(a, b):
+        return max(float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    p0 = host(state0["params"])
+    delta = lambda p: jax.tree.map(lambda x, y: x - y, p, p0)
+    a, b, o = res["data=1"], res["data=2,model=4"], res["offline"]
+    print(json.dumps(dict(loss=[a["loss"], b["loss"], o["loss"]], grads=rel(a["grads"], b["grads"]),
+                          grads_offline=rel(o["grads"], b["grads"]),
+                          sgd=rel(delta(a["params"]), delta(b["params"])), specs=b["specs"])))
+""")
+
+
+@pytest.mark.multidevice
+def test_online_on_a_data2_model4_mesh_equals_one_device_and_offline(tiny_dir, rollouts):  # noqa: F811
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tiny_dir), str(rollouts)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, mesh, offline = report["loss"]
+    assert mesh == pytest.approx(one, rel=1e-5) and mesh == pytest.approx(offline, rel=1e-5)
+    assert report["grads"] < 1e-4 and report["sgd"] < 1e-4
+    assert report["grads_offline"] < 5e-3  # the bfloat16 boundary roundings (test above)
+    assert any("model" in spec for spec in report["specs"])  # the target's heads/MLP width over model
+
+
+def test_cli_online_run_matches_the_offline_run_and_refuses_bad_input(  # noqa: F811  (fixtures)
+        tmp_path, capsys, tiny_dir, rollouts, other_rollouts, unchecked):
+    common = [*TRAIN_ARGS, "--loss", "dspark", "--steps", "2"]
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    assert main(["train", *common, "--online", "--prompts", str(rollouts), "--target", str(tiny_dir),
+                 "--out", str(online)]) == 0
+    assert main(["train", *common, "--rollouts", str(rollouts), "--out", str(offline)]) == 0
+    capsys.readouterr()
+    assert json.loads((online / "run.json").read_text())["online"] is True
+    assert (online / "drafter" / "drafter.json").exists()
+    on, off = _jsonl(online / "metrics.jsonl"), _jsonl(offline / "metrics.jsonl")
+    assert [r["loss"] for r in on] == pytest.approx([r["loss"] for r in off], rel=1e-4)
+
+    other_hf, other = other_rollouts
+    out = tmp_path / "out"
+    base = [*common, "--out", str(out)]
+    cases = [
+        (["--online", "--prompts", str(rollouts)], ("--online", "--target", "--preset")),
+        (["--online", "--rollouts", str(rollouts), "--target", str(tiny_dir)], ("--prompts",)),
+        (["--prompts", str(rollouts), "--target", str(tiny_dir)], ("--prompts", "--online")),
+        (["--online", "--prompts", str(other), "--target", str(tiny_dir)], ("target", "sha256")),
+        (["--online", "--prompts", str(other), "--target", str(other_hf), "--init", str(online / "drafter")],
+         ("trained for target",)),
+        (["--online", "--prompts", str(rollouts), "--target", str(tiny_dir), "--loss", "treespark"],
+         ("treespark", "offline")),
+    ]
+    for args, words in cases:
+        _assert_clean_error(capsys, main(["train", *base, *args]), out, *words)
+    assert not out.exists()
+    proc = _run_cli_subprocess(["train", *base, "--online", "--prompts", str(rollouts), "--target", str(tiny_dir),
+                                "--mesh", "data=8"], devices=8)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and "batch 4 does not split evenly over the 8 devices" in err and "\n" not in err, err
+    assert not out.exists()
