@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 from treespark_jax.config import TrainConfig
+from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.losses.chain import LossConfig
 from treespark_jax.mesh import make_mesh
@@ -31,7 +32,7 @@ from treespark_jax.train.data import train_dataset
 from treespark_jax.train.online import OnlineStep, target_batch
 from treespark_jax.train.step import TrainStep, init_state
 
-from test_train import (REPO, TRAIN_ARGS, _assert_clean_error, _jsonl, _run_cli_subprocess,  # noqa: F401
+from test_train import (REPO, TRAIN_ARGS, _assert_clean_error, _jsonl, _params, _run_cli_subprocess,  # noqa: F401
                         other_rollouts, rollouts, target, tiny_dir)  # (module fixtures)
 from treespark_jax.cli import main
 from tiny import tiny_decoder
@@ -148,6 +149,7 @@ MESH_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
     from treespark_jax.config import TrainConfig
+from treespark_jax.drafter.checkpoint import TargetBinding
     from treespark_jax.drafter.model import BlockDrafter, TargetHead
     from treespark_jax.losses.chain import LossConfig
     from treespark_jax.mesh import batch_sharding, make_mesh, replicated
@@ -252,3 +254,20 @@ def test_cli_online_run_matches_the_offline_run_and_refuses_bad_input(  # noqa: 
     err = proc.stderr.strip()
     assert proc.returncode == 2 and "batch 4 does not split evenly over the 8 devices" in err and "\n" not in err, err
     assert not out.exists()
+
+
+def test_an_online_run_resumes_exactly(tmp_path, capsys, tiny_dir, rollouts):  # noqa: F811
+    """6 steps == 3 steps (checkpointed, stopped), then the same command resuming: same losses, same drafter."""
+    common = ["train", *TRAIN_ARGS, "--loss", "dspark", "--steps", "6", "--save-every", "3", "--online",
+              "--prompts", str(rollouts), "--target", str(tiny_dir)]
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    assert main([*common, "--out", str(full)]) == 0
+    assert main([*common, "--out", str(parts), "--stop-after", "3"]) == 0
+    assert not (parts / "drafter").exists()
+    assert main([*common, "--out", str(parts)]) == 0
+    assert "3 → 6 of 6" in capsys.readouterr().out
+    a, b = _jsonl(full / "metrics.jsonl"), _jsonl(parts / "metrics.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    binding = TargetBinding(**json.loads((full / "run.json").read_text())["target"])
+    assert _leaves_equal(_params(full / "drafter", binding), _params(parts / "drafter", binding)) == []
