@@ -149,7 +149,6 @@ MESH_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
     from treespark_jax.config import TrainConfig
-from treespark_jax.drafter.checkpoint import TargetBinding
     from treespark_jax.drafter.model import BlockDrafter, TargetHead
     from treespark_jax.losses.chain import LossConfig
     from treespark_jax.mesh import batch_sharding, make_mesh, replicated
@@ -271,3 +270,34 @@ def test_an_online_run_resumes_exactly(tmp_path, capsys, tiny_dir, rollouts):  #
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     binding = TargetBinding(**json.loads((full / "run.json").read_text())["target"])
     assert _leaves_equal(_params(full / "drafter", binding), _params(parts / "drafter", binding)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.multidevice
+def test_two_processes_train_online_as_one_job_and_match_one_process(tmp_path, tiny_dir, rollouts):  # noqa: F811
+    """``treespark train --online`` as a two-host job (2 processes × 2 CPU devices, ``data=2,model=2``,
+    loopback coordinator, as docs/scale_out.md describes) against one process on one device."""
+    from test_sharding import _free_port
+
+    base = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TREESPARK_DISTRIBUTED"):
+        base.pop(key, None)
+    args = [sys.executable, "-m", "treespark_jax.cli", "train", *TRAIN_ARGS, "--loss", "dspark", "--steps", "3",
+            "--batch-size", "8", "--online", "--prompts", str(rollouts), "--target", str(tiny_dir)]
+    two, one = tmp_path / "two", tmp_path / "one"
+    port = _free_port()
+    procs = [subprocess.Popen([*args, "--out", str(two), "--mesh", "data=2,model=2"], cwd=REPO, text=True,
+                              env=dict(base, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+                                       JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(2)]
+    single = subprocess.run([*args, "--out", str(one), "--mesh", "data=1"], env=base, cwd=REPO, capture_output=True,
+                            text=True, timeout=900)
+    for p in procs:
+        _, stderr = p.communicate(timeout=900)
+        assert p.returncode == 0, stderr[-3000:]
+    assert single.returncode == 0, single.stderr[-3000:]
+    rows_two, rows_one = _jsonl(two / "metrics.jsonl"), _jsonl(one / "metrics.jsonl")
+    assert [r["step"] for r in rows_two] == [1, 2, 3]
+    assert [r["loss"] for r in rows_two] == pytest.approx([r["loss"] for r in rows_one], rel=1e-5)
+    binding = TargetBinding(**json.loads((one / "run.json").read_text())["target"])
+    assert _rel(_params(one / "drafter", binding), _params(two / "drafter", binding)) < 1e-3

@@ -12,9 +12,9 @@ offline one (``step.TrainStep.update``). What equals what:
   hidden state, as the writer computes them;
 * rows at or after a row's length are zero, and rows before the last prompt token hold
   ``target_lse = 0`` and ``target_top = -1``, as in a record (no loss reads them). The last prompt
-  token is found from the loss mask, so a row whose response starts after ``T`` (none in the
-  window) has the normaliser of row ``T − 1`` zeroed where a record keeps it: unread, as the
-  row has no response token to learn;
+  token is found from the loss mask, so a row whose prompt is longer than ``T`` (no response
+  token in the window) keeps the normaliser of row ``T − 1`` where a record has none: unread, as
+  the row has nothing to learn;
 * the target's forward runs over ``T`` (the step's ``seq_len``) positions where the writer pads to
   a prompt bucket: matmul sums of other shapes may differ in the last bit before the bfloat16
   rounding, which then rounds alike but for values at a rounding boundary.
