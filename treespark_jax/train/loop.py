@@ -25,8 +25,9 @@ drafter shares frozen; features and ``p_t`` come from the rollouts. For SmolLM2-
 
 Online (``online=True``, ``treespark train --online``): the whole target stays, sharded by the
 partition rules, and every step computes the features and ``p_t`` of its sequences
-(``train.online``); only the rollouts' tokens and loss masks are read, and the batches (anchors
-included) are those of the offline run with the same settings. The target must be named (it is
+(``train.online``); of the rollouts only the tokens and loss masks are used (the records are
+still read whole), and the batches (anchors included) are those of the offline run with the same
+settings. The target must be named (it is
 the source of the data, not a default), and only the gold-chain losses (``dflash``, ``dspark``)
 train online: the ``treespark`` loss's logged trees carry the target's verify rows, which an
 online step does not compute yet.
