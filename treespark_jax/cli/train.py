@@ -1,4 +1,5 @@
-"""``treespark train``: train a block drafter on rollouts (AdamW, data parallel, resumable)."""
+"""``treespark train``: train a block drafter on rollouts (AdamW, data parallel, resumable), offline
+from stored features or online with the target in the step (``--online --prompts DIR``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (or "
                     "TREESPARK_DISTRIBUTED=1 on TPU pods/Slurm) and run the same command on every host.")
     add_target_args(tr)
-    tr.add_argument("--rollouts", required=True, nargs="+", metavar="DIR", help="rollout directories")
+    source = tr.add_mutually_exclusive_group(required=True)
+    source.add_argument("--rollouts", nargs="+", metavar="DIR", help="rollout directories (offline training)")
+    source.add_argument("--prompts", nargs="+", metavar="DIR",
+                        help="with --online: rollout directories whose token sequences only are read; the target "
+                             "computes their features in every step")
+    tr.add_argument("--online", action="store_true",
+                    help="run the frozen target (--target or --preset; sharded like the drafter, heads and MLP "
+                         "width over `model`) inside every train step instead of reading stored features: no "
+                         "feature store, the same batches and losses as offline (dflash and dspark losses)")
     tr.add_argument("--loss", required=True, choices=LOSSES, help="training loss (the drafter's heads follow it)")
     tr.add_argument("--out", required=True, metavar="DIR", help="run directory (one holding run.json is resumed)")
     tr.add_argument("--steps", type=int, default=d.steps, help="optimizer steps of the whole run")
@@ -98,6 +107,10 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.train.loop import train
 
     maybe_initialize_distributed()  # before any JAX computation
+    if args.online and args.rollouts:
+        raise ValueError("--online reads token sequences from --prompts DIR, not stored features from --rollouts.")
+    if args.prompts and not args.online:
+        raise ValueError("--prompts feeds online training; add --online, or train offline on --rollouts DIR.")
     check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2)
     cfg = TrainConfig(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,
@@ -111,9 +124,9 @@ def run(args: argparse.Namespace) -> None:
         init_layers = comma_list("--init-layers", args.init_layers, int)
     mesh = parse_mesh(args.mesh)
     enable_compilation_cache()
-    r = train(args.rollouts, args.loss, args.out, cfg, target=args.target or args.preset, dtype=args.dtype,
-              drafter_fields=fields, init=args.init, init_layers=init_layers, loss_cfg=loss_cfg, mesh=mesh,
-              stop_after=args.stop_after, progress=not args.quiet)
+    r = train(args.prompts or args.rollouts, args.loss, args.out, cfg, target=args.target or args.preset,
+              dtype=args.dtype, drafter_fields=fields, init=args.init, init_layers=init_layers, loss_cfg=loss_cfg,
+              mesh=mesh, stop_after=args.stop_after, progress=not args.quiet, online=args.online)
     m = r.metrics
     rows = [("run", str(r.out)), ("steps", f"{r.start_step} → {r.step} of {cfg.steps}"),
             ("loss", f"{m['loss']:.4f}" if "loss" in m else "-"),

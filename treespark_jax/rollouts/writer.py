@@ -43,13 +43,12 @@ from treespark_jax.config import default_layer_ids, tree_temperature
 from treespark_jax.decode import buckets
 from treespark_jax.decode.engine import Engine, check_sampling
 from treespark_jax.decode.plan import Speculation
-from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.decoder import Decoder
-from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.sets import PromptRecord
+from treespark_jax.rollouts.features import causal_features
 from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, make_record
 from treespark_jax.rollouts.store import RolloutWriter
 
@@ -122,12 +121,7 @@ def prompt_seed(seed: int, prompt_set: str, prompt_id: str) -> int:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layer_ids"))
 def _features_program(graphdef, weights, tokens, lengths, *, layer_ids):
-    model = nnx.merge(graphdef, weights)
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cache = KVCache.zeros(model.cfg, b, t, model.dtype)
-    out = model(tokens, positions, prefill_mask(lengths, t, t), cache, layer_ids)
-    return out.features.astype(jnp.bfloat16), out.hidden.astype(jnp.bfloat16)
+    return causal_features(nnx.merge(graphdef, weights), tokens, lengths, layer_ids)
 
 
 @jax.jit

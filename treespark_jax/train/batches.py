@@ -52,6 +52,27 @@ class TreeBatch:
 
 
 @pytree_dataclass
+class TokenBatch:
+    """What a training batch needs from a record besides the target: tokens, anchors and logged trees.
+
+    The whole batch of online training (``train.online`` computes the target side in the step).
+
+    Attributes:
+      tokens: ``[B, T]`` int32 rollout tokens, zero-padded.
+      loss_mask: ``[B, T]`` bool response tokens to learn.
+      lengths: ``[B]`` int32 real tokens per row.
+      anchors: ``[B, A]`` int32 gold-chain anchor positions, ``-1`` = unused.
+      trees: the logged trees, or ``None`` (plain rollouts, or a loss that does not use them).
+    """
+
+    tokens: Int[Array, "B T"]
+    loss_mask: Bool[Array, "B T"]
+    lengths: Int[Array, "B"]
+    anchors: Int[Array, "B anchors"]
+    trees: TreeBatch | None = None
+
+
+@pytree_dataclass
 class TrainBatch:
     """One global training batch.
 
@@ -65,6 +86,9 @@ class TrainBatch:
       target_top: ``[B, T]`` int32 the target's argmax token per position.
       anchors: ``[B, A]`` int32 gold-chain anchor positions, ``-1`` = unused.
       trees: the logged trees, or ``None`` (plain rollouts, or a loss that does not use them).
+
+    Rows at or after a row's length are zero; ``target_lse`` / ``target_top`` are 0 / -1 before
+    the last prompt token (``rollouts.writer.record_normalisers``).
     """
 
     tokens: Int[Array, "B T"]
@@ -76,6 +100,13 @@ class TrainBatch:
     target_top: Int[Array, "B T"]
     anchors: Int[Array, "B anchors"]
     trees: TreeBatch | None = None
+
+    @classmethod
+    def of(cls, tokens: TokenBatch, features, hidden, target_lse, target_top) -> "TrainBatch":
+        """``tokens`` with the target side (shapes as the attributes)."""
+        return cls(tokens=tokens.tokens, loss_mask=tokens.loss_mask, lengths=tokens.lengths, features=features,
+                   hidden=hidden, target_lse=target_lse, target_top=target_top, anchors=tokens.anchors,
+                   trees=tokens.trees)
 
 
 def sample_anchors(loss_mask: np.ndarray, length: int, n_anchors: int, rng: np.random.Generator) -> np.ndarray:
@@ -113,20 +144,21 @@ def _tree_rows(trees: dict[str, Any], length: int, n_trees: int, rng: np.random.
     return rows
 
 
-def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anchors: int, n_trees: int = 0,
-                       tree_budget: int | None = None, rng: np.random.Generator) -> TrainBatch:
-    """Stacks rollout records (``rollouts.records`` fields) into one fixed-shape ``TrainBatch``.
+def token_batch(records: Sequence[dict[str, Any]], *, seq_len: int, n_anchors: int, n_trees: int = 0,
+                tree_budget: int | None = None, rng: np.random.Generator) -> TokenBatch:
+    """Stacks the tokens, anchors and trees of rollout records (or of any dicts with ``tokens``,
+    ``loss_mask`` and, for trees, ``trees``) into one fixed-shape ``TokenBatch``.
 
     Args:
-      records: decoded rollout records (``B`` of them).
-      seq_len: T; longer rollouts are cut at ``T`` tokens.
+      records: decoded records (``B`` of them; with ``n_trees``, full rollout records).
+      seq_len: T; longer sequences are cut at ``T`` tokens.
       n_anchors: A gold-chain anchors per sequence.
       n_trees: Tr logged trees per sequence (0: no trees; records without trees get empty slots).
       tree_budget: N of the trees; default: that of the records' trees (1 if none has trees).
-      rng: generator drawing anchors and trees (deterministic batches for a given state).
+      rng: generator drawing anchors and trees, record by record (deterministic for a given state).
 
     Returns:
-      A numpy ``TrainBatch`` (float32 features and hidden states).
+      A numpy ``TokenBatch``.
 
     Raises:
       ValueError: no records, ``seq_len < 2``, or trees of different budgets (or not ``tree_budget``).
@@ -136,26 +168,20 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be at least 2 tokens (an anchor and its label).")
     b = len(records)
-    x, d = records[0]["features"].shape[1], records[0]["hidden"].shape[1]
     out = dict(tokens=np.zeros((b, seq_len), np.int32), loss_mask=np.zeros((b, seq_len), bool),
-               lengths=np.zeros((b,), np.int32), features=np.zeros((b, seq_len, x), np.float32),
-               hidden=np.zeros((b, seq_len, d), np.float32), target_lse=np.zeros((b, seq_len), np.float32),
-               target_top=np.zeros((b, seq_len), np.int32), anchors=np.zeros((b, n_anchors), np.int32))
+               lengths=np.zeros((b,), np.int32), anchors=np.zeros((b, n_anchors), np.int32))
     tree_rows = []
     for i, rec in enumerate(records):
         n = min(len(rec["tokens"]), seq_len)
         out["tokens"][i, :n] = rec["tokens"][:n]
         out["loss_mask"][i, :n] = rec["loss_mask"][:n]
         out["lengths"][i] = n
-        out["features"][i, :n] = np.asarray(rec["features"][:n], np.float32)
-        out["hidden"][i, :n] = np.asarray(rec["hidden"][:n], np.float32)
-        out["target_lse"][i, :n] = rec["target_lse"][:n]
-        out["target_top"][i, :n] = rec["target_top"][:n]
         out["anchors"][i] = sample_anchors(out["loss_mask"][i], n, n_anchors, rng)
         if n_trees:
             tree_rows.append(_tree_rows(rec["trees"], n, n_trees, rng) if "trees" in rec else None)
     trees = None
     if n_trees:
+        d = records[0]["hidden"].shape[1]  # the width of empty slots' node_hidden
         shapes = {r["tokens"].shape[1] for r in tree_rows if r is not None} | ({tree_budget} if tree_budget else set())
         if len(shapes) > 1:
             raise ValueError(f"logged trees have different budgets {sorted(shapes)}; train on one budget at a time.")
@@ -168,4 +194,26 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
                      temperature=np.zeros((n_trees,), np.float32))
         rows = [r if r is not None else empty for r in tree_rows]
         trees = TreeBatch(**{k: np.stack([r[k] for r in rows]) for k in empty})
-    return TrainBatch(**out, trees=trees)
+    return TokenBatch(**out, trees=trees)
+
+
+def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anchors: int, n_trees: int = 0,
+                       tree_budget: int | None = None, rng: np.random.Generator) -> TrainBatch:
+    """Stacks rollout records (``rollouts.records`` fields) into one fixed-shape ``TrainBatch``:
+    ``token_batch`` (same arguments, same draws) plus the stored target side, as float32.
+
+    Returns:
+      A numpy ``TrainBatch`` (float32 features and hidden states).
+
+    Raises:
+      ValueError: as ``token_batch``.
+    """
+    tokens = token_batch(records, seq_len=seq_len, n_anchors=n_anchors, n_trees=n_trees, tree_budget=tree_budget,
+                         rng=rng)
+    b, x, d = len(records), records[0]["features"].shape[1], records[0]["hidden"].shape[1]
+    side = dict(features=np.zeros((b, seq_len, x), np.float32), hidden=np.zeros((b, seq_len, d), np.float32),
+                target_lse=np.zeros((b, seq_len), np.float32), target_top=np.zeros((b, seq_len), np.int32))
+    for i, (rec, n) in enumerate(zip(records, tokens.lengths)):
+        for name, arr in side.items():
+            arr[i, :n] = np.asarray(rec[name][:n], arr.dtype)
+    return TrainBatch.of(tokens, **side)

@@ -29,7 +29,7 @@ import numpy as np
 from treespark_jax.config import TrainConfig
 from treespark_jax.rollouts.reader import RolloutSet
 from treespark_jax.rollouts.records import RolloutError
-from treespark_jax.train.batches import TrainBatch, batch_from_records
+from treespark_jax.train.batches import TokenBatch, TrainBatch, batch_from_records, token_batch
 
 __all__ = ["data_iterator", "train_dataset", "tree_layout"]
 
@@ -57,7 +57,7 @@ def _with_index(e: int, record: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     return e, record
 
 
-def _concat(parts: list[TrainBatch]) -> TrainBatch:
+def _concat(parts: list[TrainBatch | TokenBatch]) -> TrainBatch | TokenBatch:
     try:
         return jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *parts)
     except ValueError as e:
@@ -66,25 +66,28 @@ def _concat(parts: list[TrainBatch]) -> TrainBatch:
 
 
 class _MakeBatch:
-    """``[(e, record)] → TrainBatch`` (a picklable callable, for Grain's worker processes)."""
+    """``[(e, record)] → TrainBatch`` (``TokenBatch`` when ``online``; a picklable callable, for
+    Grain's worker processes)."""
 
-    def __init__(self, cfg: TrainConfig, n_trees: int, rule: str | None, budget: int):
+    def __init__(self, cfg: TrainConfig, n_trees: int, rule: str | None, budget: int, online: bool):
         self.cfg, self.n_trees, self.rule, self.budget = cfg, n_trees, rule, budget
+        self.make = token_batch if online else batch_from_records
 
-    def __call__(self, items: list[tuple[int, dict[str, Any]]]) -> TrainBatch:
+    def __call__(self, items: list[tuple[int, dict[str, Any]]]) -> TrainBatch | TokenBatch:
         parts = []
         for e, record in items:
             if self.rule is not None and record.get("trees", {}).get("rule", self.rule) != self.rule:
                 raise RolloutError(f"rollout record {record['prompt_id']!r} holds trees verified with the "
                                    f"{record['trees']['rule']!r} rule, not {self.rule!r}; train on one rule at a time.")
             rng = np.random.default_rng([self.cfg.seed, _ANCHOR_STREAM, e])
-            parts.append(batch_from_records([record], seq_len=self.cfg.seq_len, n_anchors=self.cfg.anchors,
-                                            n_trees=self.n_trees, tree_budget=self.budget, rng=rng))
+            parts.append(self.make([record], seq_len=self.cfg.seq_len, n_anchors=self.cfg.anchors,
+                                 n_trees=self.n_trees, tree_budget=self.budget, rng=rng))
         return _concat(parts)
 
 
 def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, rule: str | None = None,
-                  budget: int = 1, process_index: int | None = None, process_count: int | None = None) -> grain.MapDataset:
+                  budget: int = 1, online: bool = False, process_index: int | None = None,
+                  process_count: int | None = None) -> grain.MapDataset:
     """This process's batches, element ``s`` = its rows of step ``s`` (module docstring).
 
     Args:
@@ -93,10 +96,13 @@ def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, r
       n_trees: logged trees per sequence (0 unless the loss uses trees).
       rule: the trees' verify rule, checked per record (``None`` = no check).
       budget: N of the logged trees (the width of empty tree slots of plain records).
+      online: batches of tokens only (``TokenBatch``: the target side is computed in the step,
+        ``train.online``), with the same anchors and trees as the offline ``TrainBatch`` of the step.
       process_index, process_count: default ``jax.process_index()`` / ``jax.process_count()``.
 
     Returns:
-      An endless ``grain.MapDataset`` of numpy ``TrainBatch`` with ``batch / process_count`` rows.
+      An endless ``grain.MapDataset`` of numpy ``TrainBatch`` (or ``TokenBatch``) with
+      ``batch / process_count`` rows.
 
     Raises:
       ValueError: a global batch that does not split evenly over the processes.
@@ -107,7 +113,7 @@ def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, r
         raise ValueError(f"batch {cfg.batch} does not split evenly over {n} processes.")
     ds = grain.MapDataset.source(rollouts).shuffle(seed=cfg.seed).repeat()
     ds = ds.map_with_index(_with_index)
-    ds = ds.batch(cfg.batch // n, drop_remainder=True, batch_fn=_MakeBatch(cfg, n_trees, rule, budget))
+    ds = ds.batch(cfg.batch // n, drop_remainder=True, batch_fn=_MakeBatch(cfg, n_trees, rule, budget, online))
     return ds[p::n]
 
 

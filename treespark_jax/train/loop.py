@@ -23,6 +23,15 @@ The target's weights are loaded only for its embedding and LM head (``TargetHead
 drafter shares frozen; features and ``p_t`` come from the rollouts. For SmolLM2-135M that is
 ≈ 0.5 GB of float32 for a moment; the rest of the target is dropped before training.
 
+Online (``online=True``, ``treespark train --online``): the whole target stays, sharded by the
+partition rules, and every step computes the features and ``p_t`` of its sequences
+(``train.online``); of the rollouts only the tokens and loss masks are used (the records are
+still read whole), and the batches (anchors included) are those of the offline run with the same
+settings. The target must be named (it is
+the source of the data, not a default), and only the gold-chain losses (``dflash``, ``dspark``)
+train online: the ``treespark`` loss's logged trees carry the target's verify rows, which an
+online step does not compute yet.
+
 A draft vocabulary (``draft_vocab`` among the drafter fields, ``--draft-vocab K``: the ``K`` most
 frequent tokens of the rollouts, ``train.draft_vocab``; or the ``--init`` drafter's own) is
 trained on directly: the step's LM heads cover its ``K`` columns only, the target normalised by
@@ -61,6 +70,7 @@ from treespark_jax.train.checkpointing import TrainCheckpoints
 from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
+from treespark_jax.train.online import OnlineStep
 from treespark_jax.train.optim import learning_rate, make_optimizer
 from treespark_jax.train.parallel import global_batch
 from treespark_jax.train.step import TrainStep, init_state
@@ -171,12 +181,20 @@ def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, in
     return drafter, ids
 
 
+def _online_step(step: TrainStep, model, layer_ids, state):
+    """``OnlineStep.jitted`` with the target's weights placed by the rules, called like the offline step."""
+    graphdef, weights = nnx.split(model)
+    weights = step.rules.place(weights)
+    fn = OnlineStep(step, graphdef, tuple(layer_ids)).jitted(state, weights)
+    return lambda state, head, tokens, draft_head: fn(state, weights, head, tokens, draft_head)
+
+
 def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Path, cfg: TrainConfig = TrainConfig(),
           *, target: str | None = None, dtype: str = "float32", drafter_fields: dict[str, Any] | None = None,
           init: str | None = None, init_layers: Sequence[int] | None = None, loss_cfg: LossConfig = LossConfig(),
           mesh: str | MeshShape | Mesh | None = None, mesh_size: int | None = None,
           stop_after: int | None = None, tx: optax.GradientTransformation | None = None,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, online: bool = False) -> TrainResult:
     """Trains (or resumes training) a block drafter on rollouts.
 
     Args:
@@ -198,6 +216,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
       stop_after: stop (checkpointed) after this step without finishing; a later call resumes.
       tx: optimizer override (default ``optim.make_optimizer(cfg)``; tests pass plain SGD).
       progress: progress bar and console lines.
+      online: compute the target side of every batch in the step from the rollouts' tokens
+        (module docstring); needs ``target`` and a gold-chain loss.
 
     Returns:
       A :class:`TrainResult`.
@@ -208,7 +228,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         a ``seq_len`` that cuts every record before its first response token,
         without trees for ``treespark``, a mesh the devices cannot form, a batch that does not
         split over the ``data`` axis, an ``out`` holding a different run, or another process
-        training into ``out`` (its lock, ``files.hold_lock``, is held until this returns).
+        training into ``out`` (its lock, ``files.hold_lock``, is held until this returns);
+        online without ``target`` or with the ``treespark`` loss.
     """
     from treespark_jax.models.load import load_target
 
@@ -216,6 +237,11 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         raise ValueError(f"loss {loss!r} is unknown; choose one of {', '.join(LOSSES)}.")
     if init is not None and init_layers is not None:
         raise ValueError("--init and --init-layers both set the drafter's layers; choose one.")
+    if online and target is None:
+        raise ValueError("--online runs the target in every step; name it with --target PATH or --preset NAME.")
+    if online and loss == "treespark":
+        raise ValueError("--online trains the dflash and dspark losses; the treespark loss needs logged trees, "
+                         "which online training does not compute yet: train it offline on on-policy rollouts.")
     if stop_after is not None and not 1 <= stop_after <= cfg.steps:
         raise ValueError(f"--stop-after {stop_after} must lie in [1, steps={cfg.steps}].")
     if Path(out).exists() and not Path(out).is_dir():
@@ -241,6 +267,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
                                   cfg.seed)
     head = TargetHead.of(loaded.model, jdtype)
     rules = Partitioner.for_model(mesh, loaded.cfg)
+    target_model = loaded.model if online else None
     del loaded
 
     out = Path(out).absolute()
@@ -250,7 +277,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
                       "rollouts": [str(d.absolute()) for d in dirs], "records": len(rs),
                       "init": str(Path(init).absolute()) if init else None,
                       "init_layers": None if init_layers is None else [int(i) for i in init_layers],
-                      "dtype": dtype, "optimizer": "adamw" if tx is None else "custom"})
+                      "dtype": dtype, "optimizer": "adamw" if tx is None else "custom",
+                      **({"online": True} if online else {})})
     run_file = out / RUN_FILE
     if run_file.exists():
         _check_same_run(run_file, identity)
@@ -273,7 +301,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         ckpts = TrainCheckpoints(out / "checkpoints", keep=cfg.keep)
         block, blocks = process_data_block(mesh)  # this process's rows of every global batch
         n_trees = cfg.trees if loss == "treespark" else 0
-        iterator = data_iterator(train_dataset(rs, cfg, n_trees=n_trees, rule=rule, budget=budget,
+        iterator = data_iterator(train_dataset(rs, cfg, n_trees=n_trees, rule=rule, budget=budget, online=online,
                                                process_index=block, process_count=blocks))
         start = ckpts.latest_step() or 0
         last_saved: dict[str, Any] = {}
@@ -285,7 +313,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         head = jax.device_put(head, replicated(mesh))
         draft_head = None if vocab_ids is None else jax.device_put(head.restricted(vocab_ids), replicated(mesh))
         end = max(start, min(stop_after or cfg.steps, cfg.steps))
-        step_fn = TrainStep(graphdef, tx, loss, loss_cfg, rule, mesh, rules).jitted(state)
+        step = TrainStep(graphdef, tx, loss, loss_cfg, rule, mesh, rules)
+        step_fn = step.jitted(state) if target_model is None else _online_step(step, target_model, rs.layer_ids, state)
 
         log = MetricsLog(out, start_step=start, total_steps=cfg.steps, progress=progress, enabled=primary)
         last = last_saved
