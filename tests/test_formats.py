@@ -1,0 +1,113 @@
+"""Drafters of other stacks (docs/formats.md): z-lab DFlash and speculators DFlash/DSpark directories
+built and saved by those packages (test oracles) load here with the same block logits."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from format_oracles import MASK, speculators_drafter, speculators_logits, zlab_drafter, zlab_logits
+from tiny import tiny_decoder
+from treespark_jax.drafter import formats
+from treespark_jax.drafter.model import TargetHead
+from treespark_jax.tree.proposal import child_logits, child_pool_ids
+
+pytestmark = pytest.mark.parity
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_decoder("qwen3", seed=3, dtype=jnp.float32)
+
+
+def _torch_head(target) -> tuple[np.ndarray, np.ndarray]:
+    """The target's embedding and LM head as ``[V, D]`` float32 arrays (PyTorch layout)."""
+    embed = np.asarray(target.embed[...], np.float32)
+    head = embed if target.cfg.tie_embeddings else np.asarray(target.lm_head[...], np.float32).T
+    return embed, np.ascontiguousarray(head)
+
+
+def our_logits(drafter, target, features: np.ndarray, anchor: int, parents=None):
+    """Our block logits for context ``features [T, m·D]`` and the anchor at position ``T``.
+
+    Returns:
+      ``logits [depths, C]`` over the drafter's head columns (the draft vocabulary's, in its id
+      order), the Markov bias of the parent tokens ``parents [depths]`` added when given, and the
+      confidence logits ``[depths]`` (zero parent term) or ``None``.
+    """
+    t = features.shape[0]
+    context = drafter.extend_context(drafter.empty_context(1, 64), jnp.asarray(features)[None],
+                                     jnp.array([t], jnp.int32))
+    head = TargetHead.of(target, jnp.float32)
+    draft_head = None if drafter.draft_vocab is None else head.restricted(drafter.draft_vocab[...])
+    out = drafter(jnp.array([anchor], jnp.int32), context, head, draft_head=draft_head)
+    proposal = drafter.proposal(out, drafter.token_terms(head), None if draft_head is None else draft_head.vocab_ids)
+    confidence = None if proposal.confidence_bias is None else np.asarray(proposal.confidence_bias[0])
+    if parents is None:
+        return np.asarray(out.logits[0]), confidence
+    depth = jnp.arange(1, out.logits.shape[1] + 1, dtype=jnp.int32)[None]
+    pool = np.asarray(child_pool_ids(proposal, depth)[0])  # [depths, M]: the whole draft vocabulary here
+    columns = np.asarray((draft_head or head).columns(jnp.asarray(pool)))
+    logits = np.full(out.logits.shape[1:], -np.inf, np.float32)
+    np.put_along_axis(logits, columns, np.asarray(child_logits(proposal, depth, jnp.asarray(parents)[None])[0]), 1)
+    return logits, confidence
+
+
+def assert_close_log_probs(ours: np.ndarray, theirs: np.ndarray, rtol: float = 1e-4) -> None:
+    """Relative error of the log-probabilities (CONVENTIONS.md), float32."""
+    a, b = (x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+            for x in (ours, theirs))
+    assert np.abs(b).max() > 1.0, "logits too flat to compare"
+    assert np.abs(a - b).max() <= rtol * np.abs(b).max(), np.abs(a - b).max()
+
+
+def test_zlab_dflash_block_logits_match_the_dflash_package(tmp_path, target):
+    model = zlab_drafter(tmp_path / "zlab", layer_ids=(0, 1), block_size=4)
+    assert formats.detect(tmp_path / "zlab") == "dflash"
+    imported = formats.read(tmp_path / "zlab")
+    assert imported.cfg.sample_from_anchor is False and imported.cfg.depths == 3
+    assert imported.cfg.target_layer_ids == (0, 1) and imported.cfg.mask_token_id == MASK
+    drafter = imported.to_drafter(target.cfg)
+    features = np.random.default_rng(0).standard_normal((7, 2 * target.cfg.d_model)).astype(np.float32)
+    theirs = zlab_logits(model, *_torch_head(target), features, anchor=5)
+    ours, _ = our_logits(drafter, target, features, anchor=5)
+    assert ours.shape == theirs.shape == (3, target.cfg.vocab_size)
+    assert_close_log_probs(ours, theirs)
+
+
+def _speculators_case(tmp_path, target, kind, **kw):
+    """Builds, saves and loads a speculators drafter; returns (ours, theirs) logits and confidences."""
+    rng = np.random.default_rng(1)
+    model = speculators_drafter(tmp_path / kind, kind, *_torch_head(target), **kw)
+    assert formats.detect(tmp_path / kind) == "speculators"
+    imported = formats.read(tmp_path / kind)
+    assert imported.cfg.target_layer_ids == (0, 1)  # the file's aux_hidden_state_layer_ids [1, 2] less one
+    drafter = imported.to_drafter(target.cfg)
+    anchor, d = 7, target.cfg.d_model
+    tokens = rng.integers(0, target.cfg.vocab_size, anchor + 6)
+    features = rng.standard_normal((len(tokens), 2 * d)).astype(np.float32)
+    theirs, their_conf = speculators_logits(model, features, tokens, anchor)
+    parents = tokens[anchor:anchor + drafter.cfg.depths] if drafter.cfg.markov_rank else None
+    ours, our_conf = our_logits(drafter, target, features[:anchor], int(tokens[anchor]), parents)
+    assert ours.shape == theirs.shape
+    return drafter, (ours, theirs), (our_conf, their_conf)
+
+
+@pytest.mark.slow  # importing speculators (pandas, datasets, openai) takes tens of seconds
+def test_speculators_dflash_block_logits_match_the_speculators_package(tmp_path, target):
+    drafter, logits, _ = _speculators_case(tmp_path, target, "dflash", sample_from_anchor=False)
+    assert drafter.cfg.depths == 3 and logits[0].shape == (3, target.cfg.vocab_size)
+    assert_close_log_probs(*logits)
+
+
+@pytest.mark.slow
+def test_speculators_dspark_draft_vocab_markov_and_confidence_match(tmp_path, target):
+    ids = np.sort(np.random.default_rng(2).choice(target.cfg.vocab_size, 40, replace=False))
+    drafter, logits, conf = _speculators_case(tmp_path, target, "dspark", sample_from_anchor=True, draft_ids=ids,
+                                              markov_rank=8, enable_confidence_head=True,
+                                              confidence_head_with_markov=False)
+    assert drafter.cfg.depths == 4 and drafter.cfg.markov_rank == 8 and drafter.cfg.confidence_head
+    np.testing.assert_array_equal(np.asarray(drafter.draft_vocab[...]), ids)
+    assert_close_log_probs(*logits)
+    np.testing.assert_allclose(conf[0], conf[1], rtol=1e-4, atol=1e-5)
