@@ -6,11 +6,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from format_oracles import MASK, speculators_drafter, speculators_logits, zlab_drafter, zlab_logits
 from tiny import tiny_decoder
+from treespark_jax.config import DrafterConfig
 from treespark_jax.drafter import formats
-from treespark_jax.drafter.model import TargetHead
+from treespark_jax.drafter.formats.export import export
+from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.tree.proposal import child_logits, child_pool_ids
 
 pytestmark = pytest.mark.parity
@@ -111,3 +114,45 @@ def test_speculators_dspark_draft_vocab_markov_and_confidence_match(tmp_path, ta
     np.testing.assert_array_equal(np.asarray(drafter.draft_vocab[...]), ids)
     assert_close_log_probs(*logits)
     np.testing.assert_allclose(conf[0], conf[1], rtol=1e-4, atol=1e-5)
+
+
+def _our_drafter(target, **fields):
+    """A random drafter of ours that the formats can hold (Qwen3 layers, MASK = a token), std 0.3."""
+    cfg = DrafterConfig(target_layer_ids=(0, 1), n_layers=2, block_size=4, pool_size=40, mask_token_id=MASK, **fields)
+    return BlockDrafter(cfg, target.cfg, rngs=nnx.Rngs(5), std=0.3)
+
+
+def test_export_dflash_loads_in_the_dflash_package_with_our_logits(tmp_path, target):
+    from dflash.model import DFlashDraftModel
+
+    drafter = _our_drafter(target, sample_from_anchor=False)
+    assert export(drafter, tmp_path / "out", "dflash", source="test") == []
+    model = DFlashDraftModel.from_pretrained(tmp_path / "out").eval()
+    assert model.target_layer_ids == [0, 1] and model.mask_token_id == MASK and model.block_size == 4
+    features = np.random.default_rng(3).standard_normal((6, 2 * target.cfg.d_model)).astype(np.float32)
+    assert_close_log_probs(our_logits(drafter, target, features, anchor=9)[0],
+                           zlab_logits(model, *_torch_head(target), features, anchor=9))
+
+
+@pytest.mark.slow
+def test_export_speculators_dspark_loads_in_speculators_with_our_logits(tmp_path, target, caplog):
+    import torch
+    from speculators.models.dspark import DSparkDraftModel
+
+    ids = np.random.default_rng(4).choice(target.cfg.vocab_size, 40, replace=False)  # frequency order: unsorted
+    drafter = _our_drafter(target, markov_rank=8, draft_vocab=40, edge_head=True).with_draft_vocab(ids)
+    embed, head = _torch_head(target)
+    not_carried = export(drafter, tmp_path / "out", "speculators", source="test", head=head)
+    assert len(not_carried) == 1 and "edge head" in not_carried[0] and "edge head" in caplog.text
+    assert "edge head" in (tmp_path / "out" / "README.md").read_text()
+    model = DSparkDraftModel.from_pretrained(tmp_path / "out").eval()
+    assert model.config.aux_hidden_state_layer_ids == [1, 2] and model.config.sample_from_anchor
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(torch.tensor(embed))  # verifier-owned, never saved
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, target.cfg.vocab_size, 13)
+    features = rng.standard_normal((13, 2 * target.cfg.d_model)).astype(np.float32)
+    theirs, _ = speculators_logits(model, features, tokens, 7)
+    ours, _ = our_logits(drafter, target, features[:7], int(tokens[7]), tokens[7:11])
+    order = np.argsort(ids)  # speculators' draft vocabulary is in ascending token order, ours in drafter order
+    assert_close_log_probs(ours[:, order], theirs)
