@@ -3,13 +3,18 @@ built and saved by those packages (test oracles) load here with the same block l
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from format_oracles import MASK, speculators_drafter, speculators_logits, zlab_drafter, zlab_logits
-from tiny import tiny_decoder
+from tiny import tiny_config, tiny_decoder, write_tiny_hf_target
+from treespark_jax.cli import main
 from treespark_jax.config import DrafterConfig
 from treespark_jax.drafter import formats
 from treespark_jax.drafter.formats.export import export
@@ -156,3 +161,78 @@ def test_export_speculators_dspark_loads_in_speculators_with_our_logits(tmp_path
     ours, _ = our_logits(drafter, target, features[:7], int(tokens[7]), tokens[7:11])
     order = np.argsort(ids)  # speculators' draft vocabulary is in ascending token order, ours in drafter order
     assert_close_log_probs(ours[:, order], theirs)
+
+
+@pytest.fixture(scope="module")
+def zlab_dir(tmp_path_factory):
+    """A saved z-lab DFlash drafter for the tiny Qwen3 target (read-only: cases edit copies)."""
+    path = tmp_path_factory.mktemp("formats") / "zlab"
+    zlab_drafter(path, layer_ids=(0, 1), block_size=4)
+    return path
+
+
+def _edited(src, dst, config_edit=None, drop_tensor=None):
+    """A copy of the drafter directory ``src`` with ``config.json`` edited and/or one tensor removed."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    if config_edit:
+        config_edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    if drop_tensor:
+        tensors = load_file(dst / "model.safetensors")
+        del tensors[drop_tensor]
+        save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+@pytest.mark.parametrize("edit, drop, message", [
+    (lambda c: c.update(architectures=["LlamaForCausalLM"]), None, "architectures=['LlamaForCausalLM']"),
+    (None, "layers.1.mlp.up_proj.weight", "missing tensor 'layers.1.mlp.up_proj.weight'"),
+    (lambda c: c.update(intermediate_size=64), None, "has shape (80, 48) but its config implies (64, 48)"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=[0, 2]), None, "dflash_config.target_layer_ids=[0, 2]"),
+    (lambda c: c["dflash_config"].update(mask_token_id=97), None, "mask_token_id=97 lies outside"),
+    (lambda c: c.update(num_target_layers=4), None, "num_target_layers=4 but the target has 3"),
+    (lambda c: c["dflash_config"].pop("mask_token_id"), None, "no dflash_config.mask_token_id"),
+])
+def test_bad_drafter_directories_are_refused_naming_the_field(tmp_path, zlab_dir, target, edit, drop, message):
+    bad = _edited(zlab_dir, tmp_path / "bad", edit, drop)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        formats.read(bad).to_drafter(target.cfg)
+
+
+def test_export_refuses_what_the_format_cannot_express(tmp_path, target):
+    llama = BlockDrafter(DrafterConfig(target_layer_ids=(0, 1), pool_size=40), tiny_config("llama"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="llama-family"):
+        export(llama, tmp_path / "a", "speculators", source="test")
+    with pytest.raises(ValueError, match="learned embedding"):
+        export(BlockDrafter(DrafterConfig(target_layer_ids=(0, 1), pool_size=40), target.cfg, rngs=nnx.Rngs(0)),
+               tmp_path / "b", "speculators", source="test")
+    with pytest.raises(ValueError, match="use --format speculators"):
+        export(_our_drafter(target), tmp_path / "c", "dflash", source="test")
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, zlab_dir, capsys):
+    target_dir = write_tiny_hf_target(tmp_path / "llama", layers=3, d=48, mlp=80, head_dim=16, max_positions=64)
+    unknown = _edited(zlab_dir, tmp_path / "unknown", lambda c: c.update(architectures=["Foo"]))
+    out = tmp_path / "out"
+    cases = [(["--drafter", str(unknown), "--target", str(target_dir)], "architectures=['Foo']"),
+             (["--drafter", str(zlab_dir)], "pass --target"),
+             (["--drafter", str(zlab_dir), "--target", str(target_dir)], "vocab_size=97 but the target has 259")]
+    for args, message in cases:
+        assert main(["export-drafter", *args, "--format", "speculators", "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_shipped_smollm2_drafters_are_refused_clearly(tmp_path):
+    from treespark_jax.drafter.checkpoint import read_meta
+    from treespark_jax.drafter.formats.export import _refusal
+    from treespark_jax.drafters import SHIPPED_DIR
+
+    for loss in ("dflash", "dspark", "treespark"):
+        meta = read_meta(SHIPPED_DIR / "smollm2-135m" / loss)
+        drafter = nnx.eval_shape(lambda: BlockDrafter(meta.cfg, meta.target_cfg, rngs=nnx.Rngs(0)))
+        for fmt in ("dflash", "speculators"):
+            assert "llama-family" in _refusal(drafter, fmt, None)
