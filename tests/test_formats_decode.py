@@ -1,0 +1,42 @@
+"""An imported z-lab DFlash drafter (built and saved by the ``dflash`` package) decodes the tiny
+float64 Qwen3 target with every tree builder, greedy output equal to greedy AR."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from format_oracles import zlab_drafter
+from rounds import assert_round_accounting
+from specs import spec
+from tiny import SPEC_PROMPTS
+from treespark_jax.config import TreeConfig
+from treespark_jax.decode.engine import Engine
+from treespark_jax.drafter import formats
+from treespark_jax.drafter.block_proposer import BlockProposer
+
+pytestmark = pytest.mark.parity
+
+
+@pytest.fixture(scope="module")
+def imported(target64, tmp_path_factory):
+    path = tmp_path_factory.mktemp("zlab") / "drafter"
+    zlab_drafter(path, layer_ids=(0, 1), block_size=5)
+    return formats.read(path).to_drafter(target64.cfg, jnp.float64)
+
+
+@pytest.mark.parametrize("builder, budget, branch", [
+    ("chain", 4, 1),  # the dflash method; the tree builders take ~15 s each
+    pytest.param("marginal", 8, 3, marks=pytest.mark.slow),  # ddtree
+    pytest.param("parent_conditioned", 8, 3, marks=pytest.mark.slow),  # pctree-style
+    pytest.param("treespark", 8, 3, marks=pytest.mark.slow),  # Platt-scaled q in place of the absent edge head
+])
+def test_imported_dflash_drafter_decodes_greedy_equal_to_ar(target64, ar_reference, imported, builder, budget,
+                                                            branch):
+    assert imported.cfg.depths == 4  # block of 5, the anchor slot does not predict
+    tree = TreeConfig(budget=budget, max_depth=4, branch=branch, builder=builder)
+    proposer = BlockProposer.create(imported, target64, depth=tree.max_depth)
+    ids, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40, spec=spec(
+        proposer, tree, cost_aware_stop=builder == "treespark"))
+    assert ids == ar_reference
+    assert_round_accounting(ids, stats, tree.max_depth)
