@@ -12,11 +12,11 @@ from tiny import TINY_FIELDS
 MASK = 96  # the tiny vocabulary's last token
 
 
-def qwen3_layers(n_layers: int, **extra):
+def qwen3_layers(n_layers: int, vocab_size: int = TINY_FIELDS["vocab_size"], **extra):
     """A ``transformers`` Qwen3 config of drafter layers shaped like the tiny Qwen3 target."""
     import transformers
 
-    f = TINY_FIELDS
+    f = dict(TINY_FIELDS, vocab_size=vocab_size)
     return transformers.Qwen3Config(
         vocab_size=f["vocab_size"], hidden_size=f["d_model"], intermediate_size=f["mlp_dim"],
         num_hidden_layers=n_layers, num_attention_heads=f["n_heads"], num_key_value_heads=f["n_kv_heads"],
@@ -36,11 +36,13 @@ def randomise(model, seed: int, skip: tuple[str, ...] = ()) -> None:
             p.copy_(torch.randn_like(p) * 0.3 if p.ndim > 1 else 1 + 0.2 * torch.randn_like(p))
 
 
-def zlab_drafter(path: Path, *, layer_ids=(0, 1), block_size: int = 4, n_layers: int = 2, seed: int = 0):
-    """A z-lab ``DFlashDraftModel`` for the tiny 3-layer Qwen3 target, saved with ``save_pretrained``."""
+def zlab_drafter(path: Path, *, layer_ids=(0, 1), block_size: int = 4, n_layers: int = 2, seed: int = 0,
+                 vocab_size: int = TINY_FIELDS["vocab_size"], target_layers: int = TINY_FIELDS["n_layers"]):
+    """A z-lab ``DFlashDraftModel`` for the tiny 3-layer Qwen3 target (or another vocabulary and
+    layer count of the same shapes), saved with ``save_pretrained``."""
     from dflash.model import DFlashDraftModel
 
-    config = qwen3_layers(n_layers, num_target_layers=TINY_FIELDS["n_layers"], block_size=block_size,
+    config = qwen3_layers(n_layers, vocab_size, num_target_layers=target_layers, block_size=block_size,
                           dflash_config={"mask_token_id": MASK, "target_layer_ids": list(layer_ids)})
     config.architectures = ["DFlashDraftModel"]
     model = DFlashDraftModel(config).eval()

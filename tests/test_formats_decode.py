@@ -40,3 +40,17 @@ def test_imported_dflash_drafter_decodes_greedy_equal_to_ar(target64, ar_referen
         proposer, tree, cost_aware_stop=builder == "treespark"))
     assert ids == ar_reference
     assert_round_accounting(ids, stats, tree.max_depth)
+
+
+@pytest.mark.slow
+def test_api_generate_takes_a_dflash_directory_as_drafter(tmp_path):
+    from tiny import write_tiny_hf_target
+    from treespark_jax.api import load
+
+    target = write_tiny_hf_target(tmp_path / "qwen3", layers=3, d=48, mlp=80, head_dim=16, max_positions=128,
+                                  family="qwen3")
+    zlab_drafter(tmp_path / "zlab", vocab_size=259, target_layers=3)
+    lm = load(str(target))
+    ar = lm.generate("abcabc", max_new_tokens=12, method="ar")
+    out = lm.generate("abcabc", max_new_tokens=12, method="dflash", drafter=str(tmp_path / "zlab"))
+    assert out.token_ids == ar.token_ids and lm.drafter("dflash", str(tmp_path / "zlab")).cfg.mask_token_id == 96
