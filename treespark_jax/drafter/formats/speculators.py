@@ -2,8 +2,8 @@
 
 ``config.json``: ``speculators_model_type``, ``architectures`` (``DFlashDraftModel`` /
 ``DSparkDraftModel``, as its ``save_pretrained`` writes them), ``transformer_layer_config`` (a
-Qwen3 config of the drafter layers; ``vocab_size`` is the target's), ``draft_vocab_size``, ``block_size``, ``mask_token_id``,
-``aux_hidden_state_layer_ids``, ``sample_from_anchor``, and for ``dspark`` ``markov_rank``,
+Qwen3 config of the drafter layers; ``vocab_size`` is the target's), ``draft_vocab_size``,
+``block_size``, ``mask_token_id``, ``aux_hidden_state_layer_ids``, ``sample_from_anchor``, and for ``dspark`` ``markov_rank``,
 ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``.
 
 - Layer ids are Hugging Face ``hidden_states`` indices (0 = the embedding output): z-lab's ids
