@@ -226,13 +226,11 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, zlab_dir, capsys):
         assert message in capsys.readouterr().err and not out.exists()
 
 
-def test_shipped_smollm2_drafters_are_refused_clearly(tmp_path):
-    from treespark_jax.drafter.checkpoint import read_meta
-    from treespark_jax.drafter.formats.export import _refusal
+def test_shipped_smollm2_drafters_are_refused_clearly(tmp_path, capsys):
     from treespark_jax.drafters import SHIPPED_DIR
 
     for loss in ("dflash", "dspark", "treespark"):
-        meta = read_meta(SHIPPED_DIR / "smollm2-135m" / loss)
-        drafter = nnx.eval_shape(lambda: BlockDrafter(meta.cfg, meta.target_cfg, rngs=nnx.Rngs(0)))
         for fmt in ("dflash", "speculators"):
-            assert "llama-family" in _refusal(drafter, fmt, None)
+            src = SHIPPED_DIR / "smollm2-135m" / loss
+            assert main(["export-drafter", "--drafter", str(src), "--format", fmt, "--out", str(tmp_path / "o")]) == 2
+            assert "its layers are llama-family" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -32,14 +32,17 @@ def run(args: argparse.Namespace) -> None:
 
     from treespark_jax.drafter import formats
     from treespark_jax.drafter.checkpoint import read_meta
-    from treespark_jax.drafter.formats.export import export
+    from treespark_jax.drafter.formats.export import export, refusal
     from treespark_jax.models.load import load_target
 
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise ValueError(f"--out {out} already exists; pass --overwrite to replace it.")
     fmt = formats.detect(args.drafter)
-    name = args.target or (read_meta(args.drafter).binding.name if fmt == "treespark" else None)
+    meta = read_meta(args.drafter) if fmt == "treespark" else None
+    if meta and (reason := refusal(meta.cfg, meta.target_cfg, args.format)):  # before the target loads
+        raise ValueError(f"--drafter {args.drafter} cannot be exported in the {args.format} format: {reason}.")
+    name = args.target or (meta.binding.name if meta else None)
     if name is None:
         raise ValueError(f"--drafter {args.drafter} is a {fmt} drafter, which names no target; pass --target.")
     target = load_target(name)

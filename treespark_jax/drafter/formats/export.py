@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from treespark_jax.config import DrafterConfig, ModelConfig
 from treespark_jax.drafter.formats import zlab
 from treespark_jax.drafter.formats.speculators import MODEL_TYPES
 from treespark_jax.drafter.formats.tensors import backbone_tensors
@@ -46,9 +47,8 @@ def _stored(array: np.ndarray) -> np.ndarray:
     return array if array.dtype.kind in "biu" else array.astype(np.float32)
 
 
-def _refusal(drafter: BlockDrafter, fmt: str, head: np.ndarray | None) -> str | None:
-    """Why ``drafter`` cannot be written in ``fmt``, or ``None``."""
-    cfg, t = drafter.cfg, drafter.target_cfg
+def refusal(cfg: DrafterConfig, t: ModelConfig, fmt: str) -> str | None:
+    """Why a drafter ``cfg`` of a target ``t`` cannot be written in ``fmt`` (a clause), or ``None``."""
     if t.family != "qwen3":
         return (f"its layers are {t.family}-family, and both formats hold Qwen3 layers (per-head q/k RMSNorm, "
                 "no q/k/v bias), which cannot express them")
@@ -61,8 +61,6 @@ def _refusal(drafter: BlockDrafter, fmt: str, head: np.ndarray | None) -> str | 
                     "use --format speculators")
         if cfg.markov_rank or cfg.confidence_head or cfg.draft_vocab:
             return "z-lab's DFlash format holds no Markov or confidence head and no draft vocabulary; use speculators"
-    if fmt == "speculators" and cfg.draft_vocab and head is None:
-        return "its draft vocabulary needs the target's LM head rows (lm_head.weight); pass the target"
     return None
 
 
@@ -144,16 +142,18 @@ def export(drafter: BlockDrafter, out: str | Path, fmt: str, *, source: str, hea
       What the format could not hold (each also warned and listed in README.md).
 
     Raises:
-      ValueError: an unknown format, ``out`` exists without ``overwrite``, or a drafter the format
-        cannot express (one sentence saying why).
+      ValueError: an unknown format, ``out`` exists without ``overwrite``, a drafter the format
+        cannot express (one sentence saying why, ``refusal``), or a draft vocabulary without ``head``.
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export format {fmt!r} is unknown; expected one of {EXPORT_FORMATS}.")
     out = Path(out).absolute()
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it.")
-    if reason := _refusal(drafter, fmt, head):
+    if reason := refusal(drafter.cfg, drafter.target_cfg, fmt):
         raise ValueError(f"this drafter cannot be exported in the {fmt} format: {reason}.")
+    if fmt == "speculators" and drafter.cfg.draft_vocab and head is None:
+        raise ValueError("a drafter with a draft vocabulary needs the target's LM head to export lm_head.weight.")
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(drafter)))
     not_carried = (["edge head (TreeSpark: calibrated P(child accepted | parent accepted)); runtimes of this "
                     "format rank children by the draft probabilities instead"] if drafter.cfg.edge_head else [])
