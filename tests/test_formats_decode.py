@@ -54,3 +54,39 @@ def test_api_generate_takes_a_dflash_directory_as_drafter(tmp_path):
     ar = lm.generate("abcabc", max_new_tokens=12, method="ar")
     out = lm.generate("abcabc", max_new_tokens=12, method="dflash", drafter=str(tmp_path / "zlab"))
     assert out.token_ids == ar.token_ids and lm.drafter("dflash", str(tmp_path / "zlab")).cfg.mask_token_id == 96
+
+
+MESH_SCRIPT = """
+import json, sys
+from treespark_jax.api import load
+hf, zlab = sys.argv[1:3]
+out = {}
+for method in ("dflash", "ddtree"):
+    replies = [[r.token_ids for r in load(hf, "float64", mesh=m).generate(
+        ["tree", "spark!"], max_new_tokens=12, method=method, budget=6, drafter=zlab)]
+               for m in ("data=1", "data=2,model=4")]
+    out[method] = [replies[0] == replies[1], replies[0]]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multidevice
+@pytest.mark.slow
+def test_imported_drafter_on_a_data2_model4_mesh_equals_one_device(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tiny import write_tiny_hf_target
+
+    target = write_tiny_hf_target(tmp_path / "qwen3", layers=3, d=48, mlp=80, head_dim=16, max_positions=128,
+                                  family="qwen3")
+    zlab_drafter(tmp_path / "zlab", vocab_size=259, target_layers=3)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(target), str(tmp_path / "zlab")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for method, (equal, ids) in report.items():
+        assert equal and all(len(row) == 12 for row in ids), (method, ids)
