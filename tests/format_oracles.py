@@ -9,14 +9,14 @@ import numpy as np
 
 from tiny import TINY_FIELDS
 
-MASK = 96  # the tiny vocabulary's last token
+MASK = TINY_FIELDS["vocab_size"] - 1  # the MASK of these drafters: the vocabulary's last token
 
 
-def qwen3_layers(n_layers: int, vocab_size: int = TINY_FIELDS["vocab_size"], **extra):
-    """A ``transformers`` Qwen3 config of drafter layers shaped like the tiny Qwen3 target."""
+def qwen3_layers(n_layers: int, fields: dict = TINY_FIELDS, **extra):
+    """A ``transformers`` Qwen3 config of drafter layers shaped like a tiny Qwen3 target of ``fields``."""
     import transformers
 
-    f = dict(TINY_FIELDS, vocab_size=vocab_size)
+    f = fields
     return transformers.Qwen3Config(
         vocab_size=f["vocab_size"], hidden_size=f["d_model"], intermediate_size=f["mlp_dim"],
         num_hidden_layers=n_layers, num_attention_heads=f["n_heads"], num_key_value_heads=f["n_kv_heads"],
@@ -37,13 +37,14 @@ def randomise(model, seed: int, skip: tuple[str, ...] = ()) -> None:
 
 
 def zlab_drafter(path: Path, *, layer_ids=(0, 1), block_size: int = 4, n_layers: int = 2, seed: int = 0,
-                 vocab_size: int = TINY_FIELDS["vocab_size"], target_layers: int = TINY_FIELDS["n_layers"]):
-    """A z-lab ``DFlashDraftModel`` for the tiny 3-layer Qwen3 target (or another vocabulary and
-    layer count of the same shapes), saved with ``save_pretrained``."""
+                 fields: dict = TINY_FIELDS):
+    """A z-lab ``DFlashDraftModel`` for the tiny Qwen3 target of ``fields`` (``tiny.TINY_FIELDS``
+    form; MASK = its last token), saved with ``save_pretrained``."""
     from dflash.model import DFlashDraftModel
 
-    config = qwen3_layers(n_layers, vocab_size, num_target_layers=target_layers, block_size=block_size,
-                          dflash_config={"mask_token_id": MASK, "target_layer_ids": list(layer_ids)})
+    config = qwen3_layers(n_layers, fields, num_target_layers=fields["n_layers"], block_size=block_size,
+                          dflash_config={"mask_token_id": fields["vocab_size"] - 1,
+                                         "target_layer_ids": list(layer_ids)})
     config.architectures = ["DFlashDraftModel"]
     model = DFlashDraftModel(config).eval()
     randomise(model, seed)

@@ -9,7 +9,7 @@ import pytest
 from format_oracles import zlab_drafter
 from rounds import assert_round_accounting
 from specs import spec
-from tiny import SPEC_PROMPTS
+from tiny import SPEC_PROMPTS, TINY_FIELDS
 from treespark_jax.config import TreeConfig
 from treespark_jax.decode.engine import Engine
 from treespark_jax.drafter import formats
@@ -49,11 +49,11 @@ def test_api_generate_takes_a_dflash_directory_as_drafter(tmp_path):
 
     target = write_tiny_hf_target(tmp_path / "qwen3", layers=3, d=48, mlp=80, head_dim=16, max_positions=128,
                                   family="qwen3")
-    zlab_drafter(tmp_path / "zlab", vocab_size=259, target_layers=3)
+    zlab_drafter(tmp_path / "zlab", fields=dict(TINY_FIELDS, vocab_size=259))
     lm = load(str(target))
     ar = lm.generate("abcabc", max_new_tokens=12, method="ar")
     out = lm.generate("abcabc", max_new_tokens=12, method="dflash", drafter=str(tmp_path / "zlab"))
-    assert out.token_ids == ar.token_ids and lm.drafter("dflash", str(tmp_path / "zlab")).cfg.mask_token_id == 96
+    assert out.token_ids == ar.token_ids and lm.drafter("dflash", str(tmp_path / "zlab")).cfg.mask_token_id == 258
 
 
 MESH_SCRIPT = """
@@ -82,7 +82,7 @@ def test_imported_drafter_on_a_data2_model4_mesh_equals_one_device(tmp_path):
 
     target = write_tiny_hf_target(tmp_path / "qwen3", layers=3, d=48, mlp=80, head_dim=16, max_positions=128,
                                   family="qwen3")
-    zlab_drafter(tmp_path / "zlab", vocab_size=259, target_layers=3)
+    zlab_drafter(tmp_path / "zlab", fields=dict(TINY_FIELDS, vocab_size=259))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(target), str(tmp_path / "zlab")], env=env,
                           capture_output=True, text=True, timeout=900)
