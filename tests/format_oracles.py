@@ -113,7 +113,8 @@ def speculators_logits(model, features: np.ndarray, tokens: np.ndarray, anchor: 
     Returns:
       ``(logits [depths, U], confidence [depths] or None)``: the drafted slots (all ``B`` with
       ``sample_from_anchor``, else ``1..B−1``), DSpark's Markov bias added with the gold previous
-      tokens ``tokens[anchor + k]`` as in its training.
+      tokens ``tokens[anchor + k]`` as in its training, which also feed the confidence head's Markov
+      embedding with ``confidence_head_with_markov``.
     """
     import torch
 
@@ -131,6 +132,8 @@ def speculators_logits(model, features: np.ndarray, tokens: np.ndarray, anchor: 
             prev = torch.tensor(tokens[anchor:anchor + b])[None]
             logits = logits + model.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden)
         if getattr(model, "confidence_head", None) is not None:
-            confidence = model.confidence_head(hidden)[0].numpy()
+            with_markov = model.config.confidence_head_with_markov
+            inputs = torch.cat([hidden, model.markov_head.prev_embeddings(prev)], -1) if with_markov else hidden
+            confidence = model.confidence_head(inputs)[0].numpy()
     first = 0 if model.config.sample_from_anchor else 1
     return logits[0, first:].numpy(), None if confidence is None else confidence[first:]

@@ -41,8 +41,8 @@ def our_logits(drafter, target, features: np.ndarray, anchor: int, parents=None)
 
     Returns:
       ``logits [depths, C]`` over the drafter's head columns (the draft vocabulary's, in its id
-      order), the Markov bias of the parent tokens ``parents [depths]`` added when given, and the
-      confidence logits ``[depths]`` (zero parent term) or ``None``.
+      order), the Markov bias of the parent tokens ``parents [depths]`` added when given, and then
+      the confidence logits ``[depths]`` of those parents (``None`` without a confidence head or parents).
     """
     t = features.shape[0]
     context = drafter.extend_context(drafter.empty_context(1, 64), jnp.asarray(features)[None],
@@ -51,9 +51,10 @@ def our_logits(drafter, target, features: np.ndarray, anchor: int, parents=None)
     draft_head = None if drafter.draft_vocab is None else head.restricted(drafter.draft_vocab[...])
     out = drafter(jnp.array([anchor], jnp.int32), context, head, draft_head=draft_head)
     proposal = drafter.proposal(out, drafter.token_terms(head), None if draft_head is None else draft_head.vocab_ids)
-    confidence = None if proposal.confidence_bias is None else np.asarray(proposal.confidence_bias[0])
     if parents is None:
-        return np.asarray(out.logits[0]), confidence
+        return np.asarray(out.logits[0]), None
+    confidence = (None if proposal.confidence_bias is None else  # c_j = bias_j + parent term of t_prev
+                  np.asarray(proposal.confidence_bias[0] + proposal.confidence_parent[jnp.asarray(parents)]))
     depth = jnp.arange(1, out.logits.shape[1] + 1, dtype=jnp.int32)[None]
     pool = np.asarray(child_pool_ids(proposal, depth)[0])  # [depths, M]: the whole draft vocabulary here
     columns = np.asarray((draft_head or head).columns(jnp.asarray(pool)))
@@ -110,12 +111,14 @@ def test_speculators_dflash_block_logits_match_the_speculators_package(tmp_path,
 
 
 @pytest.mark.slow
-def test_speculators_dspark_draft_vocab_markov_and_confidence_match(tmp_path, target):
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_speculators_dspark_draft_vocab_markov_and_confidence_match(tmp_path, target, with_markov):
     ids = np.sort(np.random.default_rng(2).choice(target.cfg.vocab_size, 40, replace=False))
     drafter, logits, conf = _speculators_case(tmp_path, target, "dspark", sample_from_anchor=True, draft_ids=ids,
                                               markov_rank=8, enable_confidence_head=True,
-                                              confidence_head_with_markov=False)
+                                              confidence_head_with_markov=with_markov)
     assert drafter.cfg.depths == 4 and drafter.cfg.markov_rank == 8 and drafter.cfg.confidence_head
+    assert drafter.cfg.confidence_markov == with_markov and conf[0] is not None
     np.testing.assert_array_equal(np.asarray(drafter.draft_vocab[...]), ids)
     assert_close_log_probs(*logits)
     np.testing.assert_allclose(conf[0], conf[1], rtol=1e-4, atol=1e-5)

@@ -162,7 +162,8 @@ class BlockDrafter(nnx.Module):
         self.markov = (MarkovHead(target.vocab_size, cfg.markov_rank, rngs=rngs, std=std, dtype=dtype)
                        if cfg.markov_rank else None)
         self.edge = EdgeHead(cfg.block_size, d, dtype) if cfg.edge_head else None
-        self.confidence = ConfidenceHead(d, dtype) if cfg.confidence_head else None
+        self.confidence = (ConfidenceHead(d, dtype, cfg.markov_rank if cfg.confidence_markov else 0)
+                           if cfg.confidence_head else None)
         self.draft_vocab = (DraftVocab(jnp.arange(cfg.draft_vocab, dtype=jnp.int32)) if cfg.draft_vocab
                             else None)  # the real ids come from a checkpoint (``set_draft_vocab``)
 
@@ -390,7 +391,7 @@ class BlockDrafter(nnx.Module):
         """
         v = self.target_cfg.vocab_size
         edge = self.edge.token_terms(head.embed) if self.edge is not None else jnp.zeros((2, v), self.dtype)
-        conf = (self.confidence.token_terms(head.embed) if self.confidence is not None
+        conf = (self.confidence.token_terms(head.embed, self._markov_parent()) if self.confidence is not None
                 else jnp.zeros((v,), self.dtype))
         return jnp.concatenate([edge, conf[None].astype(edge.dtype)], axis=0)
 
@@ -434,5 +435,10 @@ class BlockDrafter(nnx.Module):
         """
         if self.confidence is None:
             raise ValueError("this drafter was built without a confidence head (confidence_head=False).")
-        return self.confidence(hidden, head.embed[prev_token])
+        markov = self._markov_parent()
+        return self.confidence(hidden, head.embed[prev_token], None if markov is None else markov[prev_token])
+
+    def _markov_parent(self) -> Float[Array, "V R"] | None:
+        """The Markov parent factor the confidence head reads (``cfg.confidence_markov``), else ``None``."""
+        return self.markov.parent[...] if self.cfg.confidence_markov else None
 

@@ -9,7 +9,8 @@ What each format can hold (docs/formats.md):
   vocabulary, no Markov or confidence head (refused otherwise: use ``speculators``).
 - speculators: either anchor convention (``sample_from_anchor``), a draft vocabulary (``d2t`` /
   ``t2d`` and the target head's rows, so the target's head is needed), the Markov head
-  (``dspark``, ``vanilla``) and a confidence head on ``h_j`` alone.
+  (``dspark``, ``vanilla``) and a confidence head on ``h_j`` (and on the Markov parent factor of
+  the previous token with ``confidence_markov``).
 - The TreeSpark edge head, and the previous-token term of our confidence head, fit neither format:
   they are named in a warning and in the exported README.md, not dropped silently.
 
@@ -81,14 +82,15 @@ def _speculators_tensors(drafter: BlockDrafter, params: dict, head: np.ndarray |
         tensors["markov_head.markov_w2.weight"] = np.asarray(params["markov"]["child"])[:, ids].T
     if cfg.confidence_head:
         w, d = np.asarray(params["confidence"]["w"]), drafter.target_cfg.d_model
-        tensors.update({"confidence_head.proj.weight": w[None, :d],
+        w_markov = [params["confidence"]["w_markov"]] if cfg.confidence_markov else []
+        tensors.update({"confidence_head.proj.weight": np.concatenate([w[:d], *w_markov])[None],
                         "confidence_head.proj.bias": np.asarray(params["confidence"]["b"])[None]})
         if np.any(w[d:] != 0):
             not_carried.append("the confidence head's previous-token term (w · E[t_prev], on the target's embedding)")
     fields.update(draft_vocab_size=len(ids))
     if cfg.markov_rank or cfg.confidence_head:
         fields.update(markov_rank=cfg.markov_rank, markov_head_type="vanilla",
-                      enable_confidence_head=cfg.confidence_head, confidence_head_with_markov=False)
+                      enable_confidence_head=cfg.confidence_head, confidence_head_with_markov=cfg.confidence_markov)
     return tensors, fields
 
 

@@ -39,7 +39,6 @@ class ImportedDrafter:
       ids_field: the file's name of the layer-id field, for messages.
       ids_offset: the file's ids minus ours (0 for z-lab, 1 for speculators' ``hidden_states`` indices).
       n_target_layers: the target's layer count when the file states it (z-lab), else ``None``.
-      not_carried: what the file holds that our drafter cannot (warned on import and named here).
       draft_head: ``[U, D]`` the file's LM head of a reduced draft vocabulary (speculators), which
         must be the target head's rows of those tokens (``check_head``); ``None`` otherwise.
     """
@@ -52,7 +51,6 @@ class ImportedDrafter:
     ids_field: str
     ids_offset: int = 0
     n_target_layers: int | None = None
-    not_carried: tuple[str, ...] = ()
     draft_head: np.ndarray | None = None
 
     def check_target(self, target: ModelConfig) -> None:

@@ -3,8 +3,9 @@
 ``config.json``: ``speculators_model_type``, ``architectures`` (``DFlashDraftModel`` /
 ``DSparkDraftModel``, as its ``save_pretrained`` writes them), ``transformer_layer_config`` (a
 Qwen3 config of the drafter layers; ``vocab_size`` is the target's), ``draft_vocab_size``,
-``block_size``, ``mask_token_id``, ``aux_hidden_state_layer_ids``, ``sample_from_anchor``, and for ``dspark`` ``markov_rank``,
-``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``.
+``block_size``, ``mask_token_id``, ``aux_hidden_state_layer_ids``, ``sample_from_anchor``, and
+for ``dspark`` ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``,
+``confidence_head_with_markov``.
 
 - Layer ids are Hugging Face ``hidden_states`` indices (0 = the embedding output): z-lab's ids
   + 1, so ours = the file's − 1.
@@ -15,15 +16,14 @@ Qwen3 config of the drafter layers; ``vocab_size`` is the target's), ``draft_voc
   target head's rows of those tokens in ascending id order (checked against the target on load).
 - DSpark heads: the ``vanilla`` Markov head ``markov_head.markov_w1 [V, R]`` (parent) and
   ``markov_head.markov_w2 [U, R]`` (child) are our Markov head; the confidence head
-  ``confidence_head.proj`` on ``[h_j]`` is ours with a zero token term. A confidence head on
-  ``[h_j ; w1[t_prev]]`` (``confidence_head_with_markov``) has no counterpart and is not carried
-  (warned); ``gated`` / ``rnn`` Markov heads are refused.
+  ``confidence_head.proj`` on ``[h_j]``, or on ``[h_j ; w1[t_prev]]`` with
+  ``confidence_head_with_markov``, is ours with a zero target-embedding term (``w_markov`` the
+  second part); ``gated`` / ``rnn`` Markov heads are refused.
 Source: the ``speculators`` package, ``speculators/models/{dflash,dspark}``.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,6 @@ from treespark_jax.config import DrafterConfig
 from treespark_jax.drafter.formats.imported import ImportedDrafter
 from treespark_jax.drafter.formats.tensors import backbone_params, backbone_shapes, check_tensors, read_tensors
 from treespark_jax.models.load_hf import hf_config
-
-logger = logging.getLogger(__name__)
 
 # speculators_model_type → the architecture its save_pretrained records.
 MODEL_TYPES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
@@ -86,7 +84,7 @@ def read(path: Path, raw: dict[str, Any]) -> ImportedDrafter:
     conf_markov = confidence and markov > 0 and bool(raw.get("confidence_head_with_markov", True))
     cfg = DrafterConfig(target_layer_ids=tuple(i - 1 for i in aux), n_layers=layers.n_layers,
                         block_size=int(raw["block_size"]), pool_size=min(256, u), markov_rank=markov,
-                        confidence_head=confidence and not conf_markov, draft_vocab=u if u < v else 0,
+                        confidence_head=confidence, confidence_markov=conf_markov, draft_vocab=u if u < v else 0,
                         sample_from_anchor=bool(raw.get("sample_from_anchor", kind == "dspark")),
                         mask_token_id=int(raw["mask_token_id"]))
     tensors = read_tensors(path)
@@ -110,15 +108,12 @@ def read(path: Path, raw: dict[str, Any]) -> ImportedDrafter:
         child = np.zeros((markov, v), np.float32)
         child[:, ids] = tensors["markov_head.markov_w2.weight"].astype(np.float32).T
         params["markov"] = {"parent": tensors["markov_head.markov_w1.weight"], "child": child}
-    not_carried = ()
-    if conf_markov:
-        not_carried = ("confidence_head (its input includes the Markov embedding of the previous token, which "
-                       "our confidence head, on the target's embedding, cannot express)",)
-        logger.warning("speculators drafter %s: %s is not carried.", path, not_carried[0])
-    elif confidence:
+    if confidence:
         w = tensors["confidence_head.proj.weight"][0]
-        params["confidence"] = {"w": np.concatenate([w, np.zeros_like(w)]),
+        params["confidence"] = {"w": np.concatenate([w[:d], np.zeros_like(w[:d])]),
                                 "b": tensors["confidence_head.proj.bias"][0]}
+        if conf_markov:
+            params["confidence"]["w_markov"] = w[d:]
     return ImportedDrafter(path=path, format="speculators", cfg=cfg, layers=layers, params=params,
-                           ids_field="aux_hidden_state_layer_ids", ids_offset=1, not_carried=not_carried,
+                           ids_field="aux_hidden_state_layer_ids", ids_offset=1,
                            draft_head=tensors.get("lm_head.weight") if u < v else None)
