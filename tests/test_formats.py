@@ -7,13 +7,14 @@ import json
 import re
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from format_oracles import MASK, speculators_drafter, speculators_logits, zlab_drafter, zlab_logits
-from tiny import tiny_config, tiny_decoder, write_tiny_hf_target
+from tiny import TINY_FIELDS, tiny_config, tiny_decoder, write_tiny_hf_target
 from treespark_jax.cli import main
 from treespark_jax.config import DrafterConfig
 from treespark_jax.drafter import formats
@@ -237,3 +238,17 @@ def test_shipped_smollm2_drafters_are_refused_clearly(tmp_path, capsys):
             src = SHIPPED_DIR / "smollm2-135m" / loss
             assert main(["export-drafter", "--drafter", str(src), "--format", fmt, "--out", str(tmp_path / "o")]) == 2
             assert "its layers are llama-family" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_cli_converts_a_dflash_directory_to_speculators_and_back(tmp_path):
+    target_dir = write_tiny_hf_target(tmp_path / "qwen3", layers=3, d=48, mlp=80, head_dim=16, max_positions=64,
+                                      family="qwen3")
+    zlab_drafter(tmp_path / "zlab", fields=dict(TINY_FIELDS, vocab_size=259))
+    source = formats.read(tmp_path / "zlab")
+    for fmt, src in (("speculators", tmp_path / "zlab"), ("dflash", tmp_path / "speculators")):
+        assert main(["export-drafter", "--drafter", str(src), "--target", str(target_dir), "--format", fmt,
+                     "--out", str(tmp_path / fmt)]) == 0
+        copy = formats.read(tmp_path / fmt)
+        assert formats.detect(tmp_path / fmt) == fmt and copy.cfg == source.cfg
+        assert "sample_from_anchor=false" in (tmp_path / fmt / "README.md").read_text()
+        jax.tree.map(np.testing.assert_array_equal, copy.params, source.params)

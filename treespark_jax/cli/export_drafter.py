@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> None:
     """
     from pathlib import Path
 
+    import numpy as np
+
     from treespark_jax.drafter import formats
     from treespark_jax.drafter.checkpoint import read_meta
     from treespark_jax.drafter.formats.export import export, refusal
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--drafter {args.drafter} is a {fmt} drafter, which names no target; pass --target.")
     target = load_target(name)
     drafter = formats.load_any(args.drafter, target, dtype=target.model.dtype)
-    head = target.model.embed[...] if target.cfg.tie_embeddings else target.model.lm_head[...].T
+    head = np.asarray(target.model.embed[...] if target.cfg.tie_embeddings else target.model.lm_head[...].T)
     not_carried = export(drafter, out, args.format, source=str(Path(args.drafter).absolute()), head=head,
                          verifier=name, overwrite=args.overwrite)
     print(f"wrote {args.format} drafter to {out.absolute()}")
