@@ -244,7 +244,8 @@ def test_flags_share_one_vocabulary_across_commands(capsys):
     metavars = {(name, a.option_strings[0]): a.metavar for name, p in commands.items() for a in p._actions
                 if a.option_strings and a.option_strings[0] in ("--out", "--json-out")}
     assert {k: v for k, v in metavars.items() if k[1] == "--out"} == {("rollout", "--out"): "DIR",
-                                                                   ("train", "--out"): "DIR"}
+                                                                   ("train", "--out"): "DIR",
+                                                                   ("export-drafter", "--out"): "DIR"}
     assert all(v.startswith("FILE") for k, v in metavars.items() if k[1] == "--json-out"), metavars
     assert set(next(a for a in commands["train"]._actions if "--loss" in a.option_strings).choices) == {
         "dflash", "dspark", "treespark"}

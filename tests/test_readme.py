@@ -49,6 +49,14 @@ ALLOWED: dict[str, str] = {
     "/shared/rollouts --loss dspark --batch-size 128 --dtype bfloat16 --mesh data=8,model=2 --out /shared/runs/dspark":
         "needs two hosts; the same environment variables on two local processes are run by "
         "tests/test_sharding.py::test_two_processes_train_as_one_job_and_match_one_process",
+    "treespark generate --target /path/to/Qwen3-8B --dtype bfloat16 --method ddtree --budget 32 --drafter "
+    "/path/to/Qwen3-8B-DFlash-b16 --prompt 'def fib(n):' --max-new-tokens 64":
+        "needs z-lab's published DFlash drafter (no model hub here); a z-lab DFlash directory made by the dflash "
+        "package is decoded by tests/test_formats_decode.py (every builder, and generate(drafter=PATH))",
+    "treespark export-drafter --drafter /path/to/Qwen3-8B-DFlash-b16 --target /path/to/Qwen3-8B --format "
+    "speculators --out runs/qwen3-dflash-speculators":
+        "needs z-lab's published DFlash drafter; tests/test_formats.py exports drafters and loads them with the "
+        "dflash and speculators packages, and runs export-drafter's command line on bad input",
 }
 
 # Placeholder paths of the README and what this test puts in their place.

@@ -238,9 +238,39 @@ def sample(model, spec, temperature, top_p, first_seed, cost=DEFAULT_CPU_COST):
 @pytest.mark.parametrize("case", list(CASES))
 def test_generated_tokens_follow_the_target(model, logits_tree, case):
     spec, temperature, top_p = CASES[case]
+    assert_follows_the_target(model, logits_tree, case, spec, temperature, top_p,
+                              first_seed=1_000_000 * (list(CASES).index(case) + 1))
+
+
+@pytest.fixture(scope="module")
+def imported_dflash(model, tmp_path_factory):
+    """A z-lab DFlash drafter for ``model`` built and saved by the ``dflash`` package (test oracle), imported."""
+    from format_oracles import zlab_drafter
+    from tiny import TINY_FIELDS
+
+    from treespark_jax.drafter import formats
+
+    path = tmp_path_factory.mktemp("zlab") / "drafter"
+    zlab_drafter(path, layer_ids=(0,), block_size=4, fields=dict(TINY_FIELDS, **MODEL_FIELDS))
+    return formats.read(path).to_drafter(model.cfg)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("builder", ["marginal", "treespark"])
+def test_an_imported_dflash_drafter_samples_the_target_under_the_match_rule(model, logits_tree, imported_dflash,
+                                                                             builder):
+    from treespark_jax.drafter.block_proposer import BlockProposer
+
+    proposer = BlockProposer.create(imported_dflash, model, depth=3)  # a block of 4 drafts 3 (DFlash's anchor)
+    assert_follows_the_target(model, logits_tree, f"imported-dflash-{builder}",
+                              spec(proposer, TreeConfig(**TREE, builder=builder), verify="match"), 1.0, 1.0,
+                              first_seed=50_000_000 + 1_000_000 * (builder == "treespark"))
+
+
+def assert_follows_the_target(model, logits_tree, case, spec, temperature, top_p, first_seed):
+    """Samples ``ROWS`` requests with ``spec`` and tests them against the exact law (module docstring)."""
     law = exact_law(logits_tree, temperature, top_p)
-    tokens, taus, skipped = sample(model, spec, temperature, top_p,
-                                   first_seed=1_000_000 * (list(CASES).index(case) + 1),
+    tokens, taus, skipped = sample(model, spec, temperature, top_p, first_seed=first_seed,
                                    cost=COSTS.get(case, DEFAULT_CPU_COST))
     if case in COSTS:
         assert skipped >= ROWS // 2, skipped  # most rows have a skipped round

@@ -60,13 +60,14 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 HF_LAYER_NAMES = dict(attn_norm="input_layernorm", wq="self_attn.q_proj", wk="self_attn.k_proj",
                       wv="self_attn.v_proj", wo="self_attn.o_proj", mlp_norm="post_attention_layernorm",
-                      w_gate="mlp.gate_proj", w_up="mlp.up_proj", w_down="mlp.down_proj")
+                      w_gate="mlp.gate_proj", w_up="mlp.up_proj", w_down="mlp.down_proj",
+                      q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
 
 
 def write_tiny_hf_target(path: Path, *, layers: int, d: int, mlp: int, head_dim: int, max_positions: int,
-                         chat_template: str | None = None, seed: int = 0) -> Path:
-    """A random Llama Hugging Face directory (4 query / 2 KV heads, weights of std 0.3) with a
-    byte-level tokenizer: 3 specials + 256 byte tokens, ``<|im_end|>`` as EOS."""
+                         chat_template: str | None = None, seed: int = 0, family: str = "llama") -> Path:
+    """A random Llama (or tied Qwen3) Hugging Face directory (4 query / 2 KV heads, weights of std 0.3)
+    with a byte-level tokenizer: 3 specials + 256 byte tokens, ``<|im_end|>`` as EOS."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer as BackendTokenizer
     from tokenizers import decoders, models, pre_tokenizers
@@ -81,7 +82,7 @@ def write_tiny_hf_target(path: Path, *, layers: int, d: int, mlp: int, head_dim:
     config = {"eos_token": "<|im_end|>"} | ({"chat_template": chat_template} if chat_template else {})
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     (path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": len(vocab), "hidden_size": d, "num_hidden_layers": layers,
+        "model_type": family, "vocab_size": len(vocab), "hidden_size": d, "num_hidden_layers": layers,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim, "intermediate_size": mlp,
         "rms_norm_eps": 1e-5, "rope_theta": 5000.0, "max_position_embeddings": max_positions,
         "tie_word_embeddings": True}))
@@ -89,6 +90,8 @@ def write_tiny_hf_target(path: Path, *, layers: int, d: int, mlp: int, head_dim:
     q, kv = 4 * head_dim, 2 * head_dim
     shapes = dict(attn_norm=(d,), wq=(q, d), wk=(kv, d), wv=(kv, d), wo=(d, q), mlp_norm=(d,), w_gate=(mlp, d),
                   w_up=(mlp, d), w_down=(d, mlp))  # PyTorch [out, in]
+    if family == "qwen3":
+        shapes.update(q_norm=(head_dim,), k_norm=(head_dim,))
     tensors = {"model.embed_tokens.weight": 0.3 * rng.standard_normal((len(vocab), d)),
                "model.norm.weight": 1 + 0.1 * rng.standard_normal(d)}
     for i in range(layers):

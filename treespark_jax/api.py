@@ -82,7 +82,8 @@ class TreeSpark:
 
         Args:
           method: a method of ``methods.METHODS``.
-          drafter: a ``BlockDrafter``, a drafter checkpoint directory (loaded once and kept), or
+          drafter: a ``BlockDrafter``, a drafter directory (loaded once and kept): ours, z-lab DFlash or
+            speculators DFlash/DSpark (``drafter.formats.detect``), or
             ``"random"``: a randomly initialised drafter with the recipe's heads (seed 0), for
             checks and cost profiling (τ ≈ 1). ``None``: the drafter that ships for this preset
             and the recipe's loss (``treespark_jax.drafters``).
@@ -111,9 +112,9 @@ class TreeSpark:
                 self._drafters[drafter] = BlockDrafter(cfg, self.target.cfg, rngs=nnx.Rngs(0),
                                                        dtype=self.target.model.dtype)
             else:
-                from treespark_jax.drafter.checkpoint import load_drafter
+                from treespark_jax.drafter.formats import load_any
 
-                self._drafters[drafter] = load_drafter(drafter, self.target, dtype=self.target.model.dtype)[0]
+                self._drafters[drafter] = load_any(drafter, self.target, dtype=self.target.model.dtype)
         return self._drafters[drafter]
 
     @property

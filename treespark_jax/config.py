@@ -217,10 +217,19 @@ class DrafterConfig:
         training rollouts (frequency-ranked drafting, as EAGLE-3's reduced draft vocabulary and
         FR-Spec); 0 = the whole vocabulary. Exact either way: the proposal distribution is
         what the drafter samples from, and verification never depends on the drafter.
+      sample_from_anchor: the anchor slot predicts (DSpark's and our native convention: slot
+        ``j`` predicts depth ``j + 1``, ``P`` drafts per block). ``False`` is DFlash's: the anchor
+        slot's output is not a prediction, slot ``j ≥ 1`` predicts depth ``j`` (``P − 1`` drafts).
+      mask_token_id: the MASK slots hold the target's embedding of this token (DFlash and
+        speculators checkpoints); ``None`` = a learned MASK embedding (our drafters).
+      confidence_markov: the confidence head also reads the Markov head's parent factor of the
+        previous token, ``w_m · E_markov[t_prev]`` (speculators' ``confidence_head_with_markov``).
 
     Raises:
       ValueError: on an empty, repeated or negative layer id, ``n_layers`` outside 1–5, a
-        non-positive block/pool size, a negative rank, or a draft vocabulary smaller than the pool.
+        non-positive block/pool size, a negative rank, a draft vocabulary smaller than the pool,
+        a negative MASK token, a one-slot block whose anchor slot does not predict, or
+        ``confidence_markov`` without both heads.
     """
 
     target_layer_ids: Sequence[int]
@@ -231,6 +240,9 @@ class DrafterConfig:
     confidence_head: bool = False
     edge_head: bool = False
     draft_vocab: int = 0
+    sample_from_anchor: bool = True
+    mask_token_id: int | None = None
+    confidence_markov: bool = False
 
     def __post_init__(self):
         ids = tuple(self.target_layer_ids)
@@ -244,9 +256,21 @@ class DrafterConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank={self.markov_rank} must be 0 (no Markov head) or more.")
+        if not self.sample_from_anchor and self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size} leaves no draft when the anchor slot does not "
+                             "predict (sample_from_anchor=False); it must be at least 2.")
+        if self.confidence_markov and not (self.confidence_head and self.markov_rank):
+            raise ValueError("confidence_markov=True needs a confidence head and a Markov head (markov_rank > 0).")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"mask_token_id={self.mask_token_id} must be a token id (non-negative) or None.")
         if self.draft_vocab and self.draft_vocab < self.pool_size:
             raise ValueError(f"draft_vocab={self.draft_vocab} must be 0 (whole vocabulary) or at least the "
                              f"pool size {self.pool_size}.")
+
+    @property
+    def depths(self) -> int:
+        """Depths one block forward drafts: ``P``, or ``P − 1`` when the anchor slot does not predict."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     @classmethod
     def for_target(cls, target: ModelConfig, m: int = 5, **fields) -> "DrafterConfig":

@@ -161,7 +161,7 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
     if drafter is None:
         raise ValueError(f"method {method!r} needs a trained block drafter; pass one with --drafter PATH "
                          "(or drafter= in the API).")
-    gamma = drafter.cfg.block_size
+    gamma = drafter.cfg.depths
     n = min(budget, gamma) if builder is Builder.CHAIN else budget
     tree = TreeConfig(budget=n, max_depth=min(n, gamma), branch=TREE_BRANCH, builder=builder)
     if cost_aware_stop is None:

@@ -250,7 +250,7 @@ def profile_cost(model: Decoder, *, target: str, budget: int, contexts: tuple[in
     rows = profile_rows(budget)
     drafter = profile_drafter(model) if drafter is None else drafter
     proposer = BlockProposer.create(drafter, model)
-    tree = TreeConfig(budget=budget, max_depth=min(budget, drafter.cfg.block_size), branch=TREE_BRANCH,
+    tree = TreeConfig(budget=budget, max_depth=min(budget, drafter.cfg.depths), branch=TREE_BRANCH,
                       builder="treespark")
     capacity = cache_capacity(contexts[-1], 0, rows[-1])
     calls = [forward_call(model, r, s, capacity) for s in contexts for r in rows]

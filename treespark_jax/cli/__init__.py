@@ -1,4 +1,5 @@
-"""Command line: ``treespark {generate, bench, models, profile, self-prompts, rollout, eval-drafter, train}``.
+"""Command line: ``treespark {generate, bench, models, profile, self-prompts, rollout, eval-drafter, train,
+export-drafter}``.
 
 - ``generate``: one reply to a prompt with any decoding method (``generate.py``).
 - ``bench``: τ and speedup of methods × budgets against AR on a prompt set (``bench.py``).
@@ -8,6 +9,7 @@
 - ``rollout``: log the target's answers and per-token features for training (``rollout.py``).
 - ``eval-drafter``: offline τ of a drafter on held-out rollouts (``eval_drafter.py``).
 - ``train``: train a block drafter on rollouts (``train.py``).
+- ``export-drafter``: write a drafter in z-lab's DFlash or the speculators format (``export_drafter.py``).
 
 Each command module has ``add_parser(sub)`` and ``run(args)``; heavy imports (the API, the
 models, the training loop) happen inside ``run``. Errors a user can cause (bad flags, unknown
@@ -21,11 +23,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treespark_jax.cli import bench, eval_drafter, generate, models, profile, rollout, self_prompts, train
+from treespark_jax.cli import (bench, eval_drafter, export_drafter, generate, models, profile, rollout, self_prompts,
+                               train)
 
 _COMMANDS = {"generate": generate, "bench": bench, "models": models, "profile": profile,
              "self-prompts": self_prompts, "rollout": rollout,
-             "eval-drafter": eval_drafter, "train": train}  # in the order of ``--help``
+             "eval-drafter": eval_drafter, "train": train,
+             "export-drafter": export_drafter}  # in the order of ``--help``
 
 
 class _ExactParser(argparse.ArgumentParser):

@@ -28,8 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                      help="maximum drafted tree nodes per round (speculative methods)")
     gen.add_argument("--drafter", default=None, metavar="PATH",
-                     help=f"drafter checkpoint directory for {', '.join(DRAFTER_METHODS)} (default: the one "
-                          "shipped for the preset), or 'random' (an untrained drafter, for checks)")
+                     help=f"drafter directory for {', '.join(DRAFTER_METHODS)}: ours, z-lab DFlash or speculators "
+                          "DFlash/DSpark (docs/formats.md; default: the one shipped for the preset), or 'random' "
+                          "(an untrained drafter, for checks)")
     add_override_args(gen, "the method's")
     add_mesh_arg(gen)
     gen.add_argument("--compare-ar", action="store_true",

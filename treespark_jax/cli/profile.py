@@ -35,11 +35,11 @@ def run(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: bad ``--budget``, ``--contexts``, ``--repeats`` or ``--json-out`` (checked before the target loads),
-        a target the loader rejects, or a drafter checkpoint ``load_drafter`` rejects.
+        a target the loader rejects, or a drafter ``formats.load_any`` rejects (ours, DFlash, speculators).
     """
     from treespark_jax.bench.profile import check_profile_args, cost_table, profile_cost
     from treespark_jax.decode.cost_store import profile_path, save_cost_model, target_id
-    from treespark_jax.drafter.checkpoint import load_drafter
+    from treespark_jax.drafter.formats import load_any
     from treespark_jax.drafters import shipped_drafter
     from treespark_jax.models.load import load_target
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> None:
     target = load_target(name, args.dtype)
     # The drafter that decodes by default (the shipped one), else a random whole-vocabulary one.
     path = shipped_drafter(target.name, "treespark") if args.drafter is None else args.drafter
-    drafter = None if path in (None, "random") else load_drafter(path, target, dtype=target.model.dtype)[0]
+    drafter = None if path in (None, "random") else load_any(path, target, dtype=target.model.dtype)
     cost = profile_cost(target.model, target=target_id(name, args.dtype), budget=args.budget,
                         contexts=contexts, repeats=args.repeats, drafter=drafter, progress=True)
     print(cost_table(cost))

@@ -95,13 +95,14 @@ class BlockProposer:
 
         Raises:
           ValueError: when the drafter was built for a different target architecture, or
-            ``depth`` is outside ``1..block_size``.
+            ``depth`` is outside ``1..cfg.depths`` (the block size, less one for DFlash's convention).
         """
         if difference := drafter.target_cfg.architecture_difference(target.cfg):
             raise ValueError(f"the drafter was built for another target architecture: {difference} in the "
                              "drafter's target and the given one.")
-        if depth is not None and not 1 <= depth <= drafter.cfg.block_size:
-            raise ValueError(f"depth={depth} must lie in 1..{drafter.cfg.block_size}, the drafter's block size.")
+        if depth is not None and not 1 <= depth <= drafter.cfg.depths:
+            raise ValueError(f"depth={depth} must lie in 1..{drafter.cfg.depths}, the depths the drafter's block "
+                             "drafts.")
         head = TargetHead.of(target, drafter.dtype)
         # A restored drafter lives on one device, a target on a mesh may not: bring the drafter
         # to the head's devices so the derived arrays below can be computed from both.
@@ -117,7 +118,7 @@ class BlockProposer:
     @property
     def block_size(self) -> int:
         """P, depths the Proposal covers."""
-        return self.depth or self.cfg.block_size
+        return self.depth or self.cfg.depths
 
     @property
     def layer_ids(self) -> tuple[int, ...]:

@@ -4,7 +4,8 @@
   child distribution depend on the parent token.
 - ``EdgeHead`` (TreeSpark): ``e_j(x | t) = σ(a_j · log q_{j+1}(x | t) + w · [h_j ; E[t] ; E[x]] + b)``,
   P(child ``x`` accepted | parent ``t`` accepted); ``E`` is the target's frozen embedding.
-- ``ConfidenceHead`` (DSpark): ``c_j = σ(w · [h_j ; E[t_prev]] + b)``.
+- ``ConfidenceHead`` (DSpark): ``c_j = σ(w · [h_j ; E[t_prev]] + b)``, optionally plus
+  ``w_m · E_markov[t_prev]`` (the Markov head's parent factor, as speculators' DSpark reads it).
 
 The Markov and edge heads do not evaluate themselves: they hand their factors to the Proposal,
 whose ``child_logits`` / ``edge_logits`` are the single definition used by builders and verifiers.
@@ -83,27 +84,37 @@ def platt_identity_terms(batch: int, block_size: int, pool_size: int, vocab_size
 class ConfidenceHead(nnx.Module):
     """DSpark confidence head ``c_j = σ(w · [h_j ; E[t_prev]] + b)``, initialised to ``w = 0``, ``b = 0``.
 
+    With ``markov_rank`` it also has ``w_m [R]`` on the Markov head's parent factor of ``t_prev``
+    (speculators' DSpark, ``confidence_head_with_markov``), initialised to 0.
+
     Args:
       d_model: D.
       dtype: parameter dtype.
+      markov_rank: R of the Markov factor it reads, 0 for none.
     """
 
-    def __init__(self, d_model: int, dtype):
+    def __init__(self, d_model: int, dtype, markov_rank: int = 0):
         self.w = nnx.Param(jnp.zeros((2 * d_model,), dtype))
         self.b = nnx.Param(jnp.zeros((), dtype))
+        self.w_markov = nnx.Param(jnp.zeros((markov_rank,), dtype)) if markov_rank else None
 
-    def __call__(self, hidden: Float[Array, "B P D"], prev_embed: Float[Array, "B P D"]
-                 ) -> Float[Array, "B P"]:
-        """Logits of P(depth ``j + 1`` accepted | depth ``j`` accepted) per slot."""
+    def __call__(self, hidden: Float[Array, "B P D"], prev_embed: Float[Array, "B P D"],
+                 prev_markov: Float[Array, "B P R"] | None = None) -> Float[Array, "B P"]:
+        """Logits of P(depth ``j + 1`` accepted | depth ``j`` accepted) per slot; ``prev_markov`` is
+        the Markov parent factor of ``t_prev`` (required with ``w_markov``, else ignored)."""
         both = jnp.concatenate([hidden, prev_embed.astype(hidden.dtype)], axis=-1)
-        return both @ self.w[...] + self.b[...]
+        logits = both @ self.w[...] + self.b[...]
+        return logits if self.w_markov is None else logits + prev_markov.astype(hidden.dtype) @ self.w_markov[...]
 
     def hidden_terms(self, hidden: Float[Array, "B P D"]) -> Float[Array, "B P"]:
         """The Proposal's ``confidence_bias``: ``b + w_h · h_j``."""
         d = hidden.shape[-1]
         return hidden @ self.w[...][:d] + self.b[...]
 
-    def token_terms(self, embed: Float[Array, "V D"]) -> Float[Array, "V"]:
-        """The Proposal's ``confidence_parent``: ``w_t · E[t]`` for every token ``t``."""
+    def token_terms(self, embed: Float[Array, "V D"], markov_parent: Float[Array, "V R"] | None = None
+                    ) -> Float[Array, "V"]:
+        """The Proposal's ``confidence_parent``: ``w_t · E[t]`` (+ ``w_m · E_markov[t]`` with
+        ``w_markov``; ``markov_parent`` is then required) for every token ``t``."""
         d = embed.shape[-1]
-        return embed @ self.w[...][d:].astype(embed.dtype)
+        terms = embed @ self.w[...][d:].astype(embed.dtype)
+        return terms if self.w_markov is None else terms + markov_parent.astype(embed.dtype) @ self.w_markov[...]

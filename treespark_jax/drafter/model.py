@@ -129,7 +129,8 @@ class BlockDrafter(nnx.Module):
       dtype: parameter and compute dtype.
 
     Raises:
-      ValueError: a target layer id at or above ``target.n_layers``, or a pool larger than V.
+      ValueError: a target layer id at or above ``target.n_layers``, a pool larger than V, or a
+        MASK token outside the vocabulary.
     """
 
     def __init__(self, cfg: DrafterConfig, target: ModelConfig, *, rngs: nnx.Rngs, std: float = 0.02,
@@ -139,6 +140,9 @@ class BlockDrafter(nnx.Module):
                              f"{target.n_layers}.")
         if cfg.pool_size > target.vocab_size:
             raise ValueError(f"pool_size={cfg.pool_size} exceeds the vocabulary of {target.vocab_size} tokens.")
+        if cfg.mask_token_id is not None and cfg.mask_token_id >= target.vocab_size:
+            raise ValueError(f"mask_token_id={cfg.mask_token_id} lies outside the target's vocabulary of "
+                             f"{target.vocab_size} tokens.")
         self.cfg, self.target_cfg, self.dtype = cfg, target, dtype
         d = target.d_model
 
@@ -147,7 +151,8 @@ class BlockDrafter(nnx.Module):
 
         self.fc = nnx.Param(normal((len(cfg.target_layer_ids) * d, d)))
         self.context_norm = nnx.Param(jnp.ones((d,), dtype))
-        self.mask_embed = nnx.Param(normal((d,)))
+        if cfg.mask_token_id is None:  # else the MASK is the target's embedding of that token
+            self.mask_embed = nnx.Param(normal((d,)))
         shapes = expected_shapes(target)
         self.layers = nnx.List([
             DecoderLayer(target, {n: jnp.ones(shapes[f"layers.0.{n}"], dtype) if "norm" in n
@@ -157,7 +162,8 @@ class BlockDrafter(nnx.Module):
         self.markov = (MarkovHead(target.vocab_size, cfg.markov_rank, rngs=rngs, std=std, dtype=dtype)
                        if cfg.markov_rank else None)
         self.edge = EdgeHead(cfg.block_size, d, dtype) if cfg.edge_head else None
-        self.confidence = ConfidenceHead(d, dtype) if cfg.confidence_head else None
+        self.confidence = (ConfidenceHead(d, dtype, cfg.markov_rank if cfg.confidence_markov else 0)
+                           if cfg.confidence_head else None)
         self.draft_vocab = (DraftVocab(jnp.arange(cfg.draft_vocab, dtype=jnp.int32)) if cfg.draft_vocab
                             else None)  # the real ids come from a checkpoint (``set_draft_vocab``)
 
@@ -259,14 +265,21 @@ class BlockDrafter(nnx.Module):
         return [key_value_heads(layer.arrays(t_cfg), t_cfg, ctx, positions) for layer in self.layers]
 
     def block_inputs(self, anchor: Int[Array, "B"], head: TargetHead) -> Float[Array, "B P D"]:
-        """Slot 0 = the anchor's (target) embedding, slots ``1..P−1`` = the MASK embedding."""
+        """Slot 0 = the anchor's (target) embedding, slots ``1..P−1`` = the MASK embedding (the
+        learned one, or the target's embedding of ``cfg.mask_token_id``)."""
         b, p = anchor.shape[0], self.cfg.block_size
-        mask = jnp.broadcast_to(self.mask_embed[...], (b, p - 1, self.mask_embed.shape[0]))
+        mask_id = self.cfg.mask_token_id
+        mask_embed = self.mask_embed[...] if mask_id is None else head.embed[mask_id].astype(self.dtype)
+        mask = jnp.broadcast_to(mask_embed, (b, p - 1, mask_embed.shape[0]))
         return jnp.concatenate([head.embed[anchor][:, None].astype(self.dtype), mask], axis=1)
 
     def __call__(self, anchor: Int[Array, "B"], context: KVCache, head: TargetHead,
                  depth: int | None = None, draft_head: TargetHead | None = None) -> DrafterOutput:
-        """One block forward: slot ``j`` at position ``context.lengths + j`` predicts depth ``j + 1``.
+        """One block forward: slot ``j`` at position ``context.lengths + j``; the outputs are per depth.
+
+        With ``cfg.sample_from_anchor`` output ``j`` is slot ``j``'s (depth ``j + 1``); without it
+        (DFlash) the anchor slot's output is dropped, so output ``j`` is slot ``j + 1``'s, which
+        predicts depth ``j + 1`` too: ``cfg.depths`` outputs either way.
 
         Queries come from the block; keys/values are the context cache's committed slots
         (``s < lengths``) followed by the block's own, computed here and not cached. Only the
@@ -277,14 +290,14 @@ class BlockDrafter(nnx.Module):
             the context yet: its features come from its own verification).
           context: the context cache, ``lengths[b]`` = committed positions of row ``b``.
           head: the target's embedding and LM head.
-          depth: keep only the first ``depth`` slots' outputs (static; default all ``P``): a tree
+          depth: keep only the first ``depth`` outputs (static; default all ``cfg.depths``): a tree
             no deeper than ``depth`` needs no more, and the LM head over the slots is the
             largest part of the pass. All ``P`` slots still run through the layers, as in training.
           draft_head: ``head.restricted(draft vocabulary)``: logits over those ``K`` ids only.
 
         Returns:
           ``DrafterOutput`` with ``h_j [B, P', D]`` and ``U_j [B, P', V]`` (``[B, P', K]`` with
-          ``draft_head``), ``P' = depth or P``.
+          ``draft_head``), ``P' = depth or cfg.depths``.
         """
         p = self.cfg.block_size
         x = self.block_inputs(anchor, head)
@@ -297,7 +310,8 @@ class BlockDrafter(nnx.Module):
             return self.blocks(x, positions, [(k[:, :, :width], v[:, :, :width]) for k, v in zip(context.k, context.v)],
                                mask)
 
-        hidden = by_key_width(context.capacity, jnp.max(context.lengths), over, x)[:, :depth]
+        hidden = by_key_width(context.capacity, jnp.max(context.lengths), over, x)
+        hidden = hidden[:, p - self.cfg.depths:][:, :depth]  # DFlash: the anchor slot does not predict
         return DrafterOutput(hidden=hidden, logits=(draft_head or head).logits(hidden))
 
     def blocks(self, x: Float[Array, "B Q D"], positions: Int[Array, "B Q"],
@@ -345,7 +359,14 @@ class BlockDrafter(nnx.Module):
         Returns:
           ``DrafterOutput`` with ``hidden [B, A, P, D]`` and ``logits [B, A, P, V]`` (``[B, A, P, K]``
           with ``draft_head``).
+
+        Raises:
+          ValueError: for a drafter whose anchor slot does not predict (``sample_from_anchor=False``,
+            an imported DFlash drafter): the losses align slot ``j`` with depth ``j + 1``.
         """
+        if not self.cfg.sample_from_anchor:
+            raise ValueError("training a drafter whose anchor slot does not predict (sample_from_anchor=False, "
+                             "DFlash's convention) is not supported; the losses align slot j with depth j + 1.")
         b, t = tokens.shape
         a, p = anchors.shape[1], self.cfg.block_size
         anchor_tok = jnp.take_along_axis(tokens, jnp.maximum(anchors, 0), axis=1)  # [B, A]
@@ -370,7 +391,7 @@ class BlockDrafter(nnx.Module):
         """
         v = self.target_cfg.vocab_size
         edge = self.edge.token_terms(head.embed) if self.edge is not None else jnp.zeros((2, v), self.dtype)
-        conf = (self.confidence.token_terms(head.embed) if self.confidence is not None
+        conf = (self.confidence.token_terms(head.embed, self._markov_parent()) if self.confidence is not None
                 else jnp.zeros((v,), self.dtype))
         return jnp.concatenate([edge, conf[None].astype(edge.dtype)], axis=0)
 
@@ -414,5 +435,10 @@ class BlockDrafter(nnx.Module):
         """
         if self.confidence is None:
             raise ValueError("this drafter was built without a confidence head (confidence_head=False).")
-        return self.confidence(hidden, head.embed[prev_token])
+        markov = self._markov_parent()
+        return self.confidence(hidden, head.embed[prev_token], None if markov is None else markov[prev_token])
+
+    def _markov_parent(self) -> Float[Array, "V R"] | None:
+        """The Markov parent factor the confidence head reads (``cfg.confidence_markov``), else ``None``."""
+        return self.markov.parent[...] if self.cfg.confidence_markov else None
 

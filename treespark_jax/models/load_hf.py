@@ -22,7 +22,7 @@ from treespark_jax.config import FAMILIES, ModelConfig
 from treespark_jax.models.weights import check_weights
 
 # Hugging Face name (inside ``model.layers.N.``) -> canonical name (inside ``layers.N.``).
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm",
     "self_attn.q_proj.weight": "wq",
     "self_attn.k_proj.weight": "wk",
@@ -78,7 +78,11 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         attention bias outside Qwen2).
     """
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    raw = json.loads(file.read_text())
+    return hf_config(json.loads(file.read_text()), file)
+
+
+def hf_config(raw: dict[str, Any], file: Path) -> ModelConfig:
+    """``load_hf_config`` of an already parsed ``config.json`` dict (``file`` names it in errors)."""
     family = raw.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"model_type {family!r} in {file} is not supported; expected one of {FAMILIES}.")
@@ -175,8 +179,8 @@ def _canonical_name(hf_name: str, file: Path) -> str:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     match = _LAYER_RE.fullmatch(hf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in LAYER_NAMES:
+        return f"layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}"
     raise ValueError(f"tensor {hf_name!r} in {file} is not a known Llama/Qwen2/Qwen3 weight.")
 
 
