@@ -306,6 +306,8 @@ def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
     monkeypatch.setattr(prof, "profile_cost", lambda *a, **k: timed.append(k["drafter"]) or real(*a, **k))
     monkeypatch.setenv("TREESPARK_CACHE", str(tmp_path))
     args = ["profile", "--target", str(tmp_path / "tiny"), "--budget", "1", "--contexts", "12", "--repeats", "1"]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "drafter.json").write_text("{}")  # marks our format for formats.detect; the load is stubbed
     assert main(args + ["--drafter", str(tmp_path / "mine")]) == 0
     assert loaded == [str(tmp_path / "mine")] and timed[0] is drafter
     assert main(args + ["--drafter", "random"]) == 0 and main(args) == 0

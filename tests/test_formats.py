@@ -199,11 +199,23 @@ def _edited(src, dst, config_edit=None, drop_tensor=None):
     (lambda c: c["dflash_config"].update(mask_token_id=97), None, "mask_token_id=97 lies outside"),
     (lambda c: c.update(num_target_layers=4), None, "num_target_layers=4 but the target has 3"),
     (lambda c: c["dflash_config"].pop("mask_token_id"), None, "no dflash_config.mask_token_id"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=5), None,
+     "dflash_config.target_layer_ids=5; it must be a non-empty list of whole numbers"),
+    (lambda c: c.update(dflash_config="x"), None, "dflash_config='x'; it must be a JSON object"),
+    (lambda c: c["dflash_config"].update(block_size="abc"), None, "dflash_config.block_size='abc'; it must be a whole"),
 ])
 def test_bad_drafter_directories_are_refused_naming_the_field(tmp_path, zlab_dir, target, edit, drop, message):
     bad = _edited(zlab_dir, tmp_path / "bad", edit, drop)
     with pytest.raises(ValueError, match=re.escape(message)):
         formats.read(bad).to_drafter(target.cfg)
+
+
+@pytest.mark.parametrize("content", [b"garbage", b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a"])
+def test_unreadable_safetensors_are_refused_naming_the_file(tmp_path, zlab_dir, content):
+    bad = _edited(zlab_dir, tmp_path / "bad")
+    (bad / "model.safetensors").write_bytes(content)  # not safetensors; cut short inside its header
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        formats.read(bad)
 
 
 def test_export_refuses_what_the_format_cannot_express(tmp_path, target):
@@ -228,6 +240,17 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, zlab_dir, capsys):
     for args, message in cases:
         assert main(["export-drafter", *args, "--format", "speculators", "--out", str(out)]) == 2
         assert message in capsys.readouterr().err and not out.exists()
+    (tmp_path / "file").write_text("kept")
+    copy = shutil.copytree(zlab_dir, tmp_path / "copy")
+    for args, message in ((["--out", str(tmp_path / "file")], "is a file, not a drafter directory"),
+                          (["--out", str(copy)], "holds the --drafter it reads"),
+                          (["--out", str(tmp_path)], "holds the --drafter it reads"),
+                          (["--out", str(target_dir)], "holds the --target it reads")):
+        argv = ["export-drafter", "--drafter", str(copy), "--target", str(target_dir), "--format", "dflash"]
+        assert main([*argv, *args, "--overwrite"]) == 2
+        assert message in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "kept" and formats.detect(copy) == "dflash"
+    assert (target_dir / "config.json").exists()
 
 
 def test_shipped_smollm2_drafters_are_refused_clearly(tmp_path, capsys):

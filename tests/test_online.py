@@ -265,6 +265,13 @@ def test_an_online_run_resumes_exactly(tmp_path, capsys, tiny_dir, rollouts):  #
     assert not (parts / "drafter").exists()
     assert main([*common, "--out", str(parts)]) == 0
     assert "3 → 6 of 6" in capsys.readouterr().out
+    # The run's settings again, but offline or with another loss: the difference named as the user made it.
+    offline = ["train", *TRAIN_ARGS, "--loss", "dspark", "--steps", "6", "--save-every", "3", "--rollouts",
+               str(rollouts), "--target", str(tiny_dir), "--out", str(parts)]
+    other_loss = [*["dflash" if a == "dspark" else a for a in common], "--out", str(parts)]
+    for argv, said in ((offline, "online = True, not False"), (other_loss, "loss = 'dspark', not 'dflash'")):
+        assert main(argv) == 2
+        assert f"holds a run with {said}; resume with the same settings" in capsys.readouterr().err
     a, b = _jsonl(full / "metrics.jsonl"), _jsonl(parts / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(1, 7))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]

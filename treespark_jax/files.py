@@ -4,7 +4,7 @@ Every file the library writes for later reading (asset downloads and their sidec
 profiles, rollout manifests, training run identities and metric logs, prompt files) is first
 written to a hidden ``.<name>.<random>.partial`` file in the same directory, flushed to disk and
 then renamed over the final name with ``os.replace`` (atomic on POSIX and Windows within one
-file system). A crash or an exception leaves either the old file or the new one, never half of
+file system); a directory (a drafter checkpoint or export) likewise, by ``write_dir_atomic``. A crash or an exception leaves either the old file or the new one, never half of
 one, and the partial file is removed on an exception. New files get the usual mode (``0o666``
 less the process umask), unlike ``tempfile.mkstemp``'s ``0o600``.
 
@@ -149,3 +149,27 @@ def remove_partials(directory: Path, name: str | None = None) -> list[Path]:
         else:
             path.unlink(missing_ok=True)
     return removed
+
+
+def write_dir_atomic(path: Path, write: Callable[[Path], None]) -> Path:
+    """Makes the directory ``path`` whole or not at all: ``write(tmp)`` fills a hidden sibling
+    (``.<name>.<random>.partial``, same file system), which is then renamed into place. An existing
+    ``path`` is swapped out only once the new directory is complete, then removed; a failed
+    ``write`` leaves ``path`` as it was and no sibling behind.
+
+    Returns:
+      ``path``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stem = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+    tmp, old = stem.with_name(stem.name + PARTIAL_SUFFIX), stem.with_name(stem.name + ".old")
+    try:
+        tmp.mkdir()
+        write(tmp)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+    return path

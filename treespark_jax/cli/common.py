@@ -19,11 +19,11 @@ from treespark_jax.config import BUILDERS, VERIFY_RULES
 from treespark_jax.models.presets import DEFAULT_PRESET, PRESETS
 
 
-def add_target_args(p: argparse.ArgumentParser) -> None:
-    """Adds ``--preset NAME`` | ``--target PATH`` (mutually exclusive) and ``--dtype`` to ``p``."""
+def add_target_args(p: argparse.ArgumentParser, default: str = f"default {DEFAULT_PRESET}") -> None:
+    """Adds ``--preset NAME`` | ``--target PATH`` (mutually exclusive) and ``--dtype`` to ``p``;
+    ``default`` says what a command does without either."""
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--preset", default=None,
-                       help=f"offline preset ({', '.join(PRESETS)}; default {DEFAULT_PRESET})")
+    group.add_argument("--preset", default=None, help=f"offline preset ({', '.join(PRESETS)}; {default})")
     group.add_argument("--target", default=None, metavar="PATH",
                        help="a GGUF file or a Hugging Face directory (config.json + *.safetensors)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"),

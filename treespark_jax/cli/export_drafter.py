@@ -26,7 +26,8 @@ def run(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: a bad or foreign ``--drafter`` without ``--target``, a drafter the format cannot
-        express, or an existing ``--out`` without ``--overwrite`` (nothing is written then).
+        express, an existing ``--out`` without ``--overwrite``, an ``--out`` that is a file or holds
+        the ``--drafter`` or ``--target`` it reads (nothing is written then).
     """
     from pathlib import Path
 
@@ -40,6 +41,11 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise ValueError(f"--out {out} already exists; pass --overwrite to replace it.")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a drafter directory.")
+    for flag, read in (("--drafter", args.drafter), ("--target", args.target)):
+        if read and Path(read).exists() and out.resolve() in (Path(read).resolve(), *Path(read).resolve().parents):
+            raise ValueError(f"--out {out} holds the {flag} it reads ({read}); choose another directory.")
     fmt = formats.detect(args.drafter)
     meta = read_meta(args.drafter) if fmt == "treespark" else None
     if meta and (reason := refusal(meta.cfg, meta.target_cfg, args.format)):  # before the target loads

@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "Multi-host: set "
                     "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (or "
                     "TREESPARK_DISTRIBUTED=1 on TPU pods/Slurm) and run the same command on every host.")
-    add_target_args(tr)
+    add_target_args(tr, default="without either, offline training uses the rollouts' target; --online needs one")
     source = tr.add_mutually_exclusive_group(required=True)
     source.add_argument("--rollouts", nargs="+", metavar="DIR", help="rollout directories (offline training)")
     source.add_argument("--prompts", nargs="+", metavar="DIR",

@@ -20,9 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import secrets
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +30,7 @@ from flax import nnx
 
 from treespark_jax.config import DrafterConfig, ModelConfig
 from treespark_jax.drafter.model import BlockDrafter
-from treespark_jax.files import sha256_files
+from treespark_jax.files import sha256_files, write_dir_atomic
 from treespark_jax.models.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -174,23 +171,15 @@ def save_drafter(path: str | Path, drafter: BlockDrafter, binding: TargetBinding
         json.dumps(meta)
     except (TypeError, ValueError) as e:
         raise ValueError(f"the training dict is not JSON-serialisable ({e}).") from e
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stem = path.parent / f".{path.name}.{secrets.token_hex(4)}"  # hidden siblings, same file system
-    tmp, old = stem.with_name(stem.name + ".partial"), stem.with_name(stem.name + ".old")
-    try:
-        tmp.mkdir()
+
+    def write(tmp: Path) -> None:
         with _writer() as ckptr:
             ckptr.save(tmp / "params", nnx.to_pure_dict(nnx.state(drafter)))
             ckptr.wait_until_finished()
         meta["params_sha256"] = params_sha256(tmp / "params")
         (tmp / "drafter.json").write_text(json.dumps(meta, indent=2))  # last: without it, incomplete
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
-    return path
+
+    return write_dir_atomic(path, write)
 
 
 def read_meta(path: str | Path) -> DrafterMeta:

@@ -80,6 +80,10 @@ __all__ = ["TrainResult", "train"]
 RUN_FILE = "run.json"
 # Bookkeeping that may change between a run and its resume (the rest must match).
 _FREE = ("save_every", "keep", "log_every")
+# What a run.json written without a key meant (offline runs record no "online"); and the keys whose
+# difference is named first, as the one the user changed (another loss changes the drafter's heads too).
+_ABSENT = {"online": False}
+_FIRST = ("loss", "online")
 
 
 @dataclasses.dataclass
@@ -135,8 +139,8 @@ def _json(obj):
 
 def _check_same_run(path: Path, identity: dict[str, Any]) -> None:
     old = json.loads(path.read_text())
-    for key in sorted(set(old) | set(identity)):
-        was, now = old.get(key), identity.get(key)
+    for key in sorted(set(old) | set(identity), key=lambda k: (k not in _FIRST, k)):
+        was, now = old.get(key, _ABSENT.get(key)), identity.get(key, _ABSENT.get(key))
         if isinstance(was, dict) and isinstance(now, dict):
             diff = next((k for k in sorted(set(was) | set(now)) if k not in _FREE and was.get(k) != now.get(k)), None)
             if diff is not None:

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import secrets
-import shutil
 from pathlib import Path
 
 import jax
@@ -37,6 +34,7 @@ from treespark_jax.drafter.formats import zlab
 from treespark_jax.drafter.formats.speculators import MODEL_TYPES
 from treespark_jax.drafter.formats.tensors import backbone_tensors
 from treespark_jax.drafter.model import BlockDrafter
+from treespark_jax.files import write_dir_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +142,7 @@ def export(drafter: BlockDrafter, out: str | Path, fmt: str, *, source: str, hea
       What the format could not hold (each also warned and listed in README.md).
 
     Raises:
-      ValueError: an unknown format, ``out`` exists without ``overwrite``, a drafter the format
+      ValueError: an unknown format, ``out`` exists without ``overwrite`` or is a file, a drafter the format
         cannot express (one sentence saying why, ``refusal``), or a draft vocabulary without ``head``.
     """
     if fmt not in EXPORT_FORMATS:
@@ -152,6 +150,8 @@ def export(drafter: BlockDrafter, out: str | Path, fmt: str, *, source: str, hea
     out = Path(out).absolute()
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; pass overwrite=True (--overwrite) to replace it.")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a drafter directory; choose a directory path.")
     if reason := refusal(drafter.cfg, drafter.target_cfg, fmt):
         raise ValueError(f"this drafter cannot be exported in the {fmt} format: {reason}.")
     if fmt == "speculators" and drafter.cfg.draft_vocab and head is None:
@@ -169,16 +169,11 @@ def export(drafter: BlockDrafter, out: str | Path, fmt: str, *, source: str, hea
     for note in not_carried:
         logger.warning("export to %s: %s is not carried.", fmt, note)
     tensors = {k: np.ascontiguousarray(_stored(np.asarray(v))) for k, v in tensors.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.{secrets.token_hex(4)}.partial"
-    try:
-        tmp.mkdir()
+
+    def write(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "README.md").write_text(_readme(drafter, fmt, source, not_carried))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_dir_atomic(out, write)
     return not_carried

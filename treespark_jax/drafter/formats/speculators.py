@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from treespark_jax.config import DrafterConfig
+from treespark_jax.drafter.formats.fields import section, whole, wholes
 from treespark_jax.drafter.formats.imported import ImportedDrafter
 from treespark_jax.drafter.formats.tensors import backbone_params, backbone_shapes, check_tensors, read_tensors
 from treespark_jax.models.load_hf import hf_config
@@ -67,26 +68,28 @@ def read(path: Path, raw: dict[str, Any]) -> ImportedDrafter:
     for name in ("transformer_layer_config", "aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
         if raw.get(name) is None:
             raise ValueError(f"{file} has no {name}, which a speculators {kind} drafter needs.")
-    layer_raw = raw["transformer_layer_config"]
+    layer_raw = section(raw["transformer_layer_config"], "transformer_layer_config", file)
     if layer_raw.get("model_type", "qwen3") != "qwen3":
         raise ValueError(f"{file} has transformer_layer_config.model_type={layer_raw['model_type']!r}; only qwen3 "
                          "drafter layers are read.")
     layers = hf_config({"model_type": "qwen3", **layer_raw}, file)
-    v, u = layers.vocab_size, int(raw.get("draft_vocab_size") or layers.vocab_size)
-    aux = [int(i) for i in raw["aux_hidden_state_layer_ids"]]
+    v = layers.vocab_size
+    u = whole(raw.get("draft_vocab_size") or v, "draft_vocab_size", file)
+    aux = list(wholes(raw["aux_hidden_state_layer_ids"], "aux_hidden_state_layer_ids", file))
     if min(aux) < 1:
         raise ValueError(f"{file} has aux_hidden_state_layer_ids={aux}; id 0 (the embedding output) is not a "
                          "decoder layer's output.")
-    markov = int(raw.get("markov_rank", 0)) if kind == "dspark" else 0
+    markov = whole(raw.get("markov_rank", 0), "markov_rank", file) if kind == "dspark" else 0
     if markov and raw.get("markov_head_type", "vanilla") != "vanilla":
         raise ValueError(f"{file} has markov_head_type={raw['markov_head_type']!r}; only 'vanilla' is supported.")
     confidence = kind == "dspark" and bool(raw.get("enable_confidence_head", True))
     conf_markov = confidence and markov > 0 and bool(raw.get("confidence_head_with_markov", True))
     cfg = DrafterConfig(target_layer_ids=tuple(i - 1 for i in aux), n_layers=layers.n_layers,
-                        block_size=int(raw["block_size"]), pool_size=min(256, u), markov_rank=markov,
+                        block_size=whole(raw["block_size"], "block_size", file), pool_size=min(256, u),
+                        markov_rank=markov,
                         confidence_head=confidence, confidence_markov=conf_markov, draft_vocab=u if u < v else 0,
                         sample_from_anchor=bool(raw.get("sample_from_anchor", kind == "dspark")),
-                        mask_token_id=int(raw["mask_token_id"]))
+                        mask_token_id=whole(raw["mask_token_id"], "mask_token_id", file))
     tensors = read_tensors(path)
     d = layers.d_model
     shapes = backbone_shapes(cfg, layers)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors' numpy reader reads BF16)
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from treespark_jax.config import DrafterConfig, ModelConfig
 from treespark_jax.models.load_hf import LAYER_NAMES
@@ -35,15 +35,19 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of every ``*.safetensors`` file directly in ``path``, by name (file dtype).
 
     Raises:
-      ValueError: no ``*.safetensors`` file in ``path``.
+      ValueError: no ``*.safetensors`` file in ``path``, or one safetensors cannot read (corrupt or
+        cut short).
     """
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"drafter directory {path} has no *.safetensors file.")
     tensors = {}
     for file in files:
-        with safe_open(file, framework="np") as reader:
-            tensors.update({name: reader.get_tensor(name) for name in reader.keys()})
+        try:
+            with safe_open(file, framework="np") as reader:
+                tensors.update({name: reader.get_tensor(name) for name in reader.keys()})
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"drafter {path}: {file.name} is not a readable safetensors file ({e}).") from None
     return tensors
 
 

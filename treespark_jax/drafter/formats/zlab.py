@@ -13,11 +13,11 @@ Source: the ``dflash`` package, ``dflash/model.py`` (``DFlashDraftModel``, ``dfl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from treespark_jax.config import DrafterConfig, ModelConfig
+from treespark_jax.drafter.formats.fields import section, whole, wholes
 from treespark_jax.drafter.formats.imported import ImportedDrafter
 from treespark_jax.drafter.formats.tensors import backbone_params, backbone_shapes, check_tensors, read_tensors
 from treespark_jax.models.load_hf import hf_config
@@ -39,7 +39,7 @@ def read(path: Path, raw: dict[str, Any]) -> ImportedDrafter:
     file = path / "config.json"
     if raw.get("model_type") != "qwen3":
         raise ValueError(f"{file} has model_type={raw.get('model_type')!r}; DFlash drafter layers are qwen3.")
-    dflash = raw.get("dflash_config") or {}
+    dflash = section({} if raw.get("dflash_config") is None else raw["dflash_config"], "dflash_config", file)
 
     def field(name: str, default: Any = ...) -> Any:
         value = dflash.get(name, raw.get(name))
@@ -55,15 +55,18 @@ def read(path: Path, raw: dict[str, Any]) -> ImportedDrafter:
                          "attention is supported.")
     if raw.get("num_target_layers") is None:
         raise ValueError(f"{file} has no num_target_layers, which a DFlash drafter needs.")
+    n_target_layers = whole(raw["num_target_layers"], "num_target_layers", file)
     layers = hf_config(raw, file)
-    cfg = DrafterConfig(target_layer_ids=tuple(field("target_layer_ids")), n_layers=layers.n_layers,
-                        block_size=int(field("block_size")), pool_size=min(256, layers.vocab_size),
-                        sample_from_anchor=False, mask_token_id=int(field("mask_token_id")))
+    cfg = DrafterConfig(target_layer_ids=wholes(field("target_layer_ids"), "dflash_config.target_layer_ids", file),
+                        n_layers=layers.n_layers, block_size=whole(field("block_size"), "dflash_config.block_size",
+                                                                   file),
+                        pool_size=min(256, layers.vocab_size), sample_from_anchor=False,
+                        mask_token_id=whole(field("mask_token_id"), "dflash_config.mask_token_id", file))
     tensors = read_tensors(path)
     check_tensors(tensors, backbone_shapes(cfg, layers), path)
     return ImportedDrafter(path=path, format="dflash", cfg=cfg, layers=layers,
                            params=backbone_params(tensors, cfg.n_layers), ids_field="dflash_config.target_layer_ids",
-                           n_target_layers=int(raw["num_target_layers"]))
+                           n_target_layers=n_target_layers)
 
 
 def config(cfg: DrafterConfig, target: ModelConfig) -> dict[str, Any]:
