@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trained drafters for the smollm2-135m preset (DESIGN.md §1.4, issue 6), stage by stage:
 #   1. rollouts of the target on the training prompts (HumanEval, GSM8K, MT-Bench train splits, and
-#      with SELF > 0 that many chat prompts the target writes itself: `treespark self-prompts`)
+#      with SELF > 0 that many chat prompts the target writes itself: `treespark self-prompts`; with
+#      SELF_CODE > 0 that many code prompts it writes after the HumanEval wrapper, `--user-prefix`)
 #   2. a dflash drafter and a dspark drafter on the same data for the same steps, each trained on its
 #      draft vocabulary (the DRAFT_VOCAB most frequent tokens of the training rollouts)
 #   3. on-policy rollouts with the dspark drafter (every verified tree logged)
@@ -33,13 +34,17 @@ BUDGET=${BUDGET:-16}           # tree budget of the on-policy rollouts
 SETS="gsm8k humaneval mtbench"
 ONPOLICY=${ONPOLICY:-gsm8k}    # sets whose on-policy trees are logged (the others stay plain; CPU time)
 SELF=${SELF:-4000}             # self-generated chat prompts (DESIGN.md §1.4)
+SELF_CODE=${SELF_CODE:-1000}   # self-generated code prompts (HumanEval has 132 training prompts; code needs more)
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary the drafters train on and draft from (most frequent training tokens)
 T="$PY -m treespark_jax.cli"
 TRAIN_ARGS="--steps $STEPS --batch-size $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
 VOCAB_ARGS="--draft-vocab $DRAFT_VOCAB"  # the treespark stage and the ablations keep their --init drafter's
 
 plain() { for s in $SETS; do echo "$DATA/rollouts-$s-$1"; done; }
-self_rollouts() { if [ "$SELF" -gt 0 ]; then echo "$DATA/rollouts-self$SELF-train"; fi; }
+self_rollouts() {
+  if [ "$SELF" -gt 0 ]; then echo "$DATA/rollouts-self$SELF-train"; fi
+  if [ "$SELF_CODE" -gt 0 ]; then echo "$DATA/rollouts-selfcode$SELF_CODE-train"; fi
+}
 train_plain() { plain train; self_rollouts; }  # the sets' train splits and the self-generated prompts
 
 stage_rollouts() {
@@ -53,8 +58,18 @@ stage_rollouts() {
     [ -f "$DATA/self-prompts-$SELF.jsonl" ] || $T self-prompts --limit "$SELF" --seed 0 --batch-size "$RBATCH" \
       --json-out "$DATA/self-prompts-$SELF.jsonl"
     $T rollout --prompts "$DATA/self-prompts-$SELF.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
-      --out "$(self_rollouts)"
+      --out "$DATA/rollouts-self$SELF-train"
   fi
+  stage_selfcode
+}
+stage_selfcode() {  # code prompts: the target continues the HumanEval wrapper from "def" (prompts.sets.WRAPPERS)
+  [ "$SELF_CODE" -gt 0 ] || return 0
+  local prefix
+  prefix="$($PY -c 'from treespark_jax.prompts.sets import WRAPPERS; print(WRAPPERS["humaneval"].partition("{code}")[0], end="")')def"
+  [ -f "$DATA/self-code-$SELF_CODE.jsonl" ] || $T self-prompts --limit "$SELF_CODE" --seed 0 --batch-size "$RBATCH" \
+    --max-new-tokens 128 --user-prefix "$prefix" --json-out "$DATA/self-code-$SELF_CODE.jsonl"
+  $T rollout --prompts "$DATA/self-code-$SELF_CODE.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
+    --out "$DATA/rollouts-selfcode$SELF_CODE-train"
 }
 stage_dflash() { $T train --rollouts $(train_plain) --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }
 stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dspark"; }

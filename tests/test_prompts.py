@@ -303,6 +303,17 @@ def test_self_generated_prompts_are_seeded_distinct_and_clean(tiny_lm):
     assert self_generated_prompts(bare, 3, seed=7, **kw) == first[:3]
 
 
+def test_a_user_prefix_starts_every_turn_and_the_target_continues_it(tiny_lm):
+    kw = dict(max_new_tokens=12, batch_size=4, seed=7)
+    prefix = "Complete this Python function.\n\ndef"
+    plain = self_generated_prompts(tiny_lm, 4, **kw)
+    steered = self_generated_prompts(tiny_lm, 4, user_prefix=prefix, **kw)
+    assert len(steered) == 4 and all(r.turns[0].startswith(prefix) for r in steered)
+    assert all(len(r.turns[0]) > len(prefix) for r in steered)  # an empty sample is dropped, not kept as the prefix
+    # The prefix is part of what the target conditions on: the samples differ from the unsteered ones.
+    assert [r.turns[0][len(prefix):].strip() for r in steered] != [r.turns[0] for r in plain]
+
+
 def test_self_generated_prompts_give_up_after_max_rows(tiny_lm, caplog):
     out = self_generated_prompts(tiny_lm, 50, seed=7, max_new_tokens=12, batch_size=4, max_rows=4,
                                  drop_unfinished=True)
@@ -316,8 +327,9 @@ def test_self_generated_prompts_give_up_after_max_rows(tiny_lm, caplog):
     (dict(n=2, max_new_tokens=0), "max_new_tokens=0 must be"),
     (dict(n=2, batch_size=0), "batch_size=0 must be"),
     (dict(n=2, max_rows=0), "max_rows=0 must be"),
+    (dict(n=2, user_prefix=3), "user_prefix=3 must be a string"),
 ])
-def test_self_generated_prompts_bad_arguments(tiny_lm, kwargs, match):
+def test_self_generated_prompts_bad_arguments(tiny_lm, unchecked, kwargs, match):
     with pytest.raises(ValueError, match=match):
         self_generated_prompts(tiny_lm, **kwargs)
 

@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--max-new-tokens", type=int, default=64, help="cap on the tokens of one user turn")
     sp.add_argument("--batch-size", type=int, default=16,
                     help="rows per generation call (the prompts depend on it: keep it to reproduce a file)")
+    sp.add_argument("--user-prefix", default="", metavar="TEXT",
+                    help="text every user turn starts with, the target writing the rest (e.g. a prompt set's "
+                         "wrapper up to where its own text begins, for prompts of that form)")
     sp.add_argument("--drop-unfinished", action="store_true",
                     help="also drop turns cut at --max-new-tokens before the end-of-turn token")
     add_mesh_arg(sp)
@@ -53,7 +56,8 @@ def run(args: argparse.Namespace) -> None:
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
     start = time.perf_counter()
     records = self_generated_prompts(lm, args.limit, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                     batch_size=args.batch_size, drop_unfinished=args.drop_unfinished)
+                                     batch_size=args.batch_size, user_prefix=args.user_prefix,
+                                     drop_unfinished=args.drop_unfinished)
     seconds = time.perf_counter() - start
     if not records:
         raise ValueError(f"no usable user turn came out of the target (--max-new-tokens {args.max_new_tokens}"

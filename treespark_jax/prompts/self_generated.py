@@ -22,16 +22,19 @@ logger = logging.getLogger(__name__)
 
 
 def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: int = 64,
-                           batch_size: int = 8, system: str | None = None,
+                           batch_size: int = 8, system: str | None = None, user_prefix: str = "",
                            drop_unfinished: bool = False, max_rows: int | None = None
                            ) -> list[PromptRecord]:
     """User turns written by the instruct target itself from its own chat template (DESIGN §1.4).
 
-    The prompt is :func:`user_turn_prefix`; the target samples from it at temperature 1
-    (top-p 1) until a stop token (its end-of-turn) or ``max_new_tokens``. Each text is cut at the
-    first special token and stripped; empty texts and repeats are dropped; rows are drawn in
-    whole batches of ``batch_size`` until ``n`` prompts are kept or at least ``max_rows`` rows
-    were drawn.
+    The prompt is :func:`user_turn_prefix` followed by ``user_prefix``; the target samples from it
+    at temperature 1 (top-p 1) until a stop token (its end-of-turn) or ``max_new_tokens``. Each
+    text is ``user_prefix`` plus the sample cut at its first special token, stripped; empty
+    samples and repeats are dropped; rows are drawn in whole batches of ``batch_size`` until ``n``
+    prompts are kept or at least ``max_rows`` rows were drawn. A ``user_prefix`` steers the kind
+    of prompt, as Magpie's task-specific pre-queries do (Xu et al. 2024): with a set's wrapper
+    (``prompts.sets.WRAPPERS``) up to where its own text begins, the target writes prompts of
+    that set's form (``experiments/train_drafters.sh`` makes code prompts this way).
 
     Row ``i`` samples with the seed ``SeedSequence([seed, i])`` (one uint32), so the same
     ``seed``, settings and target give the same prompts, and (same ``batch_size``) a larger ``n``
@@ -46,6 +49,7 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       max_new_tokens: cap on the tokens of one user turn.
       batch_size: rows per generation call (one compiled program per batch bucket).
       system: system message to render before the user turn; None uses the template's default.
+      user_prefix: text every user turn starts with; the target writes the rest.
       drop_unfinished: also drop turns that hit ``max_new_tokens`` before the end-of-turn token.
       max_rows: rows to draw before giving up, rounded up to whole batches; default
         ``4 * n + batch_size``.
@@ -70,7 +74,9 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
         raise ValueError(f"max_rows={max_rows!r} must be an integer ≥ 1.")
     tokenizer = lm.tokenizer
     engine = getattr(lm, "engine", None) or Engine(lm.model, tokenizer.stop_ids)
-    header = tokenizer.encode(user_turn_prefix(tokenizer, system), add_special_tokens=False)
+    if not isinstance(user_prefix, str):
+        raise ValueError(f"user_prefix={user_prefix!r} must be a string.")
+    header = tokenizer.encode(user_turn_prefix(tokenizer, system) + user_prefix, add_special_tokens=False)
     special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
     special |= set(tokenizer.stop_ids)
 
@@ -83,8 +89,9 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
         for i, row_seed, ids in zip(rows, seeds, out):
             cut = next((k for k, t in enumerate(ids) if t in special), len(ids))
             finished = cut < len(ids)
-            text = tokenizer.decode(ids[:cut]).strip()
-            if text and text not in kept and (finished or not drop_unfinished) and len(kept) < n:
+            sample = tokenizer.decode(ids[:cut])
+            text = (user_prefix + sample).strip()
+            if sample.strip() and text not in kept and (finished or not drop_unfinished) and len(kept) < n:
                 kept[text] = PromptRecord("self", f"self/{seed}/{i}", (text,),
                                           {"raw": text, "seed": row_seed, "finished": finished})
         row = rows.stop
