@@ -65,7 +65,8 @@ stage_rollouts() {
 stage_selfcode() {  # code prompts: the target continues the HumanEval wrapper from "def" (prompts.sets.WRAPPERS)
   [ "$SELF_CODE" -gt 0 ] || return 0
   local prefix
-  prefix="$($PY -c 'from treespark_jax.prompts.sets import WRAPPERS; print(WRAPPERS["humaneval"].partition("{code}")[0], end="")')def"
+  # (printed with the "def" after it: $(...) would strip the wrapper's trailing newline)
+  prefix="$($PY -c 'from treespark_jax.prompts.sets import WRAPPERS; print(WRAPPERS["humaneval"].partition("{code}")[0] + "def", end="")')"
   [ -f "$DATA/self-code-$SELF_CODE.jsonl" ] || $T self-prompts --limit "$SELF_CODE" --seed 0 --batch-size "$RBATCH" \
     --max-new-tokens 128 --user-prefix "$prefix" --json-out "$DATA/self-code-$SELF_CODE.jsonl"
   $T rollout --prompts "$DATA/self-code-$SELF_CODE.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
