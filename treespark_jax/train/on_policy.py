@@ -203,7 +203,7 @@ class OnPolicySource:
         for position in range(decode * per, (decode + 1) * per):
             epoch, at = divmod(position, n)
             picks.append(int(np.random.default_rng([self.train_cfg.seed, _PROMPT_STREAM, epoch]).permutation(n)[at]))
-        return sorted(picks, key=lambda i: len(self.ids[i]))
+        return sorted(picks, key=lambda i: (len(self.ids[i]), i))  # ties in file order, as write_rollouts
 
     def decode(self, decode: int, params) -> list[dict[str, Any]]:
         """Decodes ``prompt_batch(decode)`` with the drafter of ``params``: the buffer's new entries."""
