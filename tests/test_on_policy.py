@@ -141,6 +141,8 @@ TINY_ARGS = ["--seq-len", "40", "--anchors", "3", "--batch-size", "4", "--block-
              "--max-new-tokens", "8", "--decode-prompts", "3", "--tree-buffer", "5"]
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_an_online_treespark_run_resumes_exactly(tmp_path, capsys, tiny_dir, prompt_file):
     """5 steps decoding at 0, 2 and 4 == 3 steps (checkpointed mid-interval, stopped), then the same
     command: the buffer comes back with the checkpoint, so the resumed run draws the same batches and
@@ -258,6 +260,7 @@ MESH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.multidevice
 def test_online_trees_and_loss_on_a_data2_model4_mesh_equal_one_device(tiny_dir, prompt_file):
     """float64: the decode on a ``data=2,model=4`` mesh of 8 simulated devices (target sharded over
