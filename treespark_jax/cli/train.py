@@ -40,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--online", action="store_true",
                     help="run the frozen target (--target or --preset; sharded like the drafter, heads and MLP "
                          "width over `model`) inside every train step instead of reading stored features: no "
-                         "feature store, the same batches and losses as offline (dflash and dspark losses)")
+                         "feature store, the same batches and losses as offline (dflash and dspark losses on "
+                         "rollout directories; any loss, treespark included, on a prompt set or file)")
     og = tr.add_argument_group("online decoding (--online --prompts SET|FILE)")
     og.add_argument("--split", default=None, choices=("train", "eval", "all"),
                     help="split of a prompt set (default train); a JSONL file is used whole")

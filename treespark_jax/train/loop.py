@@ -28,9 +28,11 @@ partition rules, and every step computes the features and ``p_t`` of its sequenc
 (``train.online``); of the rollouts only the tokens and loss masks are used (the records are
 still read whole), and the batches (anchors included) are those of the offline run with the same
 settings. The target must be named (it is
-the source of the data, not a default), and only the gold-chain losses (``dflash``, ``dspark``)
-train online: the ``treespark`` loss's logged trees carry the target's verify rows, which an
-online step does not compute yet.
+the source of the data, not a default). With ``on_policy`` (``--prompts SET|FILE.jsonl``) no
+rollout is read: the drafter being trained decodes training prompts every ``interval`` steps and
+the sequences, with their verified trees for the ``treespark`` loss, fill a bounded buffer the
+batches are drawn from, saved with every checkpoint (``train.on_policy``). The ``treespark`` loss
+trains online only so: rollout directories give no trees of the current drafter.
 
 A draft vocabulary (``draft_vocab`` among the drafter fields, ``--draft-vocab K``: the ``K`` most
 frequent tokens of the rollouts, ``train.draft_vocab``; or the ``--init`` drafter's own) is
