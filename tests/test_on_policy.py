@@ -28,6 +28,7 @@ from treespark_jax.losses.chain import LossConfig
 from treespark_jax.mesh import make_mesh
 from treespark_jax.methods import drafter_config, speculation
 from treespark_jax.models.load import load_target
+from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.load import load_prompts
 from treespark_jax.rollouts.reader import open_rollouts
 from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
@@ -122,6 +123,35 @@ def test_online_trees_equal_an_offline_on_policy_rollout_and_so_do_loss_and_grad
         assert _leaves_differ(g_off, g_on) == [] and _leaves_differ(m_off, m_on) == []
 
 
+@pytest.mark.slow
+def test_online_sequences_are_the_targets_own_answers(tiny_dir, prompt_file):
+    """The dspark loss on a prompt file: the decode logs no trees, and its sequences are the
+    target's greedy answers (autoregressive decoding of the chat prompts), the response masked."""
+    target = load_target(str(tiny_dir))
+    prompts = load_prompts(prompt_file)
+    dcfg = drafter_config("dspark", target.cfg, target_layer_ids=default_layer_ids(target.cfg.n_layers), block_size=4,
+                          pool_size=32)
+    drafter = BlockDrafter(dcfg, target.cfg, rngs=nnx.Rngs(0), std=0.3)
+    graphdef, state = init_state(drafter, optax.sgd(0.1))
+    cfg = OnPolicyConfig(prompts=str(prompt_file), interval=1, decode_prompts=3, buffer=5, budget=BUDGET,
+                         max_new_tokens=NEW)
+    source = OnPolicySource(target, prompts, cfg, TRAIN, "dspark", graphdef, None, make_mesh("data=1"))
+    assert source.method == "pctree" and source.n_trees == 0
+    for step in (0, 1, 2):
+        source.before_step(step, state["params"])
+    assert len(source.buffer) == 5 and all("trees" not in e for e in source.buffer.entries)  # 3 × 3, FIFO of 5
+    assert [source.prompts[i].id for i in source.prompt_batch(2)] == [e["prompt_id"] for e in source.buffer.entries[2:]]
+    ids = {p.id: prompt_ids(target.tokenizer, p) for p in prompts}
+    answers, _ = Engine(target.model, target.tokenizer.stop_ids).generate(list(ids.values()), NEW)
+    want = dict(zip(ids, answers))
+    for e in source.buffer.entries:
+        n = len(ids[e["prompt_id"]])
+        assert e["tokens"][n:].tolist() == want[e["prompt_id"]] and e["loss_mask"].tolist() == [False] * n + [True] * (
+            len(e["tokens"]) - n)
+    batch = source.batch(2)
+    assert batch.trees is None and batch.tokens.shape == (TRAIN.batch, TRAIN.seq_len) and batch.loss_mask.any()
+
+
 def test_the_buffer_is_a_bounded_fifo_whose_bytes_round_trip():
     buf = TreeBuffer(3)
     entries = [{"tokens": np.arange(i + 2, dtype=np.int32), "loss_mask": np.arange(i + 2) > 0, "prompt_id": str(i),
@@ -208,6 +238,7 @@ MESH_SCRIPT = textwrap.dedent("""
     from treespark_jax.mesh import batch_sharding, make_mesh, replicated
     from treespark_jax.methods import drafter_config
     from treespark_jax.models.load import load_target
+from treespark_jax.prompts.chat import prompt_ids
     from treespark_jax.prompts.load import load_prompts
     from treespark_jax.sharding import Partitioner
     from treespark_jax.train.on_policy import OnPolicySource
