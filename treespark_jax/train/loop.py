@@ -5,7 +5,8 @@ A run directory ``<out>``::
     run.json          what the run is (loss, TrainConfig, drafter config, target binding,
                       rollout directories); a second run on the same ``<out>`` must match it
                       and resumes from the newest checkpoint
-    checkpoints/      Orbax steps: train state + Grain iterator + metadata (checkpointing.py)
+    checkpoints/      Orbax steps: train state + Grain iterator + metadata (+ the on-policy
+                      buffer of an online run on prompts; checkpointing.py)
     metrics.jsonl     one line per logged step (metrics_log.py)
     tb/               TensorBoard event files
     drafter/          the trained drafter (``drafter.checkpoint.save_drafter``), written when the
