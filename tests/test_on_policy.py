@@ -253,7 +253,6 @@ MESH_SCRIPT = textwrap.dedent("""
     from treespark_jax.mesh import batch_sharding, make_mesh, replicated
     from treespark_jax.methods import drafter_config
     from treespark_jax.models.load import load_target
-from treespark_jax.prompts.chat import prompt_ids
     from treespark_jax.prompts.load import load_prompts
     from treespark_jax.sharding import Partitioner
     from treespark_jax.train.on_policy import OnPolicySource
