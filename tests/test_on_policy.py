@@ -21,6 +21,7 @@ from flax import nnx
 
 from treespark_jax.cli import main
 from treespark_jax.config import OnPolicyConfig, TrainConfig, default_layer_ids
+from treespark_jax.decode import jitted
 from treespark_jax.decode.engine import Engine
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
@@ -140,8 +141,9 @@ def test_online_trees_equal_an_offline_on_policy_rollout_and_so_do_loss_and_grad
 
 @pytest.mark.slow
 def test_online_sequences_are_the_targets_own_answers(tiny_dir, prompt_file):
-    """The dspark loss on a prompt file: the decode logs no trees, and its sequences are the
-    target's greedy answers (autoregressive decoding of the chat prompts), the response masked."""
+    """The dspark loss on a prompt file: the decode logs no trees, its sequences are the target's
+    greedy answers (autoregressive decoding of the chat prompts), the response masked, and decodes
+    with new parameters compile nothing (the drafter's weights are an argument of the programs)."""
     target = load_target(str(tiny_dir))
     prompts = load_prompts(prompt_file)
     dcfg = drafter_config("dspark", target.cfg, target_layer_ids=default_layer_ids(target.cfg.n_layers), block_size=4,
@@ -152,8 +154,12 @@ def test_online_sequences_are_the_targets_own_answers(tiny_dir, prompt_file):
                          max_new_tokens=NEW)
     source = OnPolicySource(target, prompts, cfg, TRAIN, "dspark", graphdef, None, make_mesh("data=1"))
     assert source.method == "pctree" and source.n_trees == 0
-    for step in (0, 1, 2):
+    source.before_step(0, state["params"])
+    compiled = jitted.compiled_programs()
+    for step in (1, 2):  # new parameters each decode in training; the programs are the same
+        state["params"] = jax.tree.map(lambda x: x * 1.01, state["params"])
         source.before_step(step, state["params"])
+    assert jitted.compiled_programs() == compiled
     assert len(source.buffer) == 5 and all("trees" not in e for e in source.buffer.entries)  # 3 × 3, FIFO of 5
     assert [source.prompts[i].id for i in source.prompt_batch(2)] == [e["prompt_id"] for e in source.buffer.entries[2:]]
     ids = {p.id: prompt_ids(target.tokenizer, p) for p in prompts}
