@@ -210,6 +210,7 @@ def test_an_online_treespark_run_resumes_exactly(tmp_path, capsys, tiny_dir, pro
     assert run["online"] is True and run["on_policy"]["interval"] == 2 and run["on_policy"]["split"] is None
     a, b = _jsonl(full / "metrics.jsonl"), _jsonl(parts / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(1, 6)) and all(r["tree_tv"] > 0 for r in a)
+    assert all(r["decode_tau"] >= 1 and r["decode_tokens"] > 0 for r in a)  # the latest decode's τ, logged
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     binding = TargetBinding(**run["target"])
     assert _leaves_differ(_params(full / "drafter", binding), _params(parts / "drafter", binding)) == []

@@ -390,7 +390,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
                     elapsed = time.perf_counter() - t0
                     tokens = sum(float(h.pop("tokens")) for h in host)
                     last = dict(mean_metrics(host), lr=float(schedule(s)), tokens_per_s=tokens / max(elapsed, 1e-9),
-                                epoch=done * cfg.batch / n_records)
+                                epoch=done * cfg.batch / n_records, **(source.last_decode if source else {}))
                     log.log(done, last)
                     history, t0 = [], time.perf_counter()
                 if done % cfg.save_every == 0 or done == end:

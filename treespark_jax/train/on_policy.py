@@ -181,6 +181,7 @@ class OnPolicySource:
         self.head = TargetHead.of(target.model, target.model.dtype)
         self.width = target.cfg.d_model
         self.buffer = TreeBuffer(cfg.buffer)
+        self.last_decode: dict[str, float] = {}  # τ, tokens and seconds of the latest decode (logged)
 
     def speculation(self, params) -> Speculation:
         """The decode's ``Speculation`` with the drafter ``nnx.merge(graphdef, params)`` (its draft vocabulary)."""
@@ -206,7 +207,9 @@ class OnPolicySource:
         return sorted(picks, key=lambda i: (len(self.ids[i]), i))  # ties in file order, as write_rollouts
 
     def decode(self, decode: int, params) -> list[dict[str, Any]]:
-        """Decodes ``prompt_batch(decode)`` with the drafter of ``params``: the buffer's new entries."""
+        """Decodes ``prompt_batch(decode)`` with the drafter of ``params``: the buffer's new entries
+        (``last_decode`` holds the decode's τ, response tokens and seconds, the current drafter's
+        on-policy acceptance on training prompts)."""
         cfg = self.cfg
         picks = self.prompt_batch(decode)
         ids = [self.ids[i] for i in picks]
@@ -215,10 +218,12 @@ class OnPolicySource:
         if self.logs_trees:
             settings = RolloutSettings(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                        seed=self.train_cfg.seed, batch_size=len(ids))
-            outs, trees = on_policy_generation(session, self.head, ids, settings, seeds)
+            outs, trees, stats = on_policy_generation(session, self.head, ids, settings, seeds)
         else:
-            outs, _ = session.generate(ids, cfg.max_new_tokens, cfg.temperature, 1.0, seeds)
+            outs, stats = session.generate(ids, cfg.max_new_tokens, cfg.temperature, 1.0, seeds)
             trees = [None] * len(ids)
+        self.last_decode = {"decode_tau": stats.tau, "decode_tokens": stats.new_tokens,
+                            "decode_s": stats.prefill_s + stats.decode_s}
         return [_entry(self.prompts[i], p, o, t, self.width) for i, p, o, t in zip(picks, ids, outs, trees)]
 
     def before_step(self, step: int, params) -> bool:
