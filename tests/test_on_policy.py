@@ -219,6 +219,27 @@ def test_an_online_treespark_run_resumes_exactly(tmp_path, capsys, tiny_dir, pro
     assert "on_policy interval = 2, not 3" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+@pytest.mark.multidevice
+def test_an_online_treespark_run_checkpointed_on_a_mesh_resumes_on_one_device(tmp_path, tiny_dir, prompt_file):
+    """3 steps on ``data=2,model=4`` (8 simulated devices, a subprocess), then the same command on
+    one device: the buffer and state restore into the new layout, and the run matches an
+    uninterrupted one-device run within float32 summation order (the decode at step 4 included)."""
+    common = ["train", *TINY_ARGS, "--loss", "treespark", "--steps", "5", "--save-every", "3", "--tree-interval",
+              "2", "--online", "--prompts", str(prompt_file), "--target", str(tiny_dir)]
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    proc = _run_cli_subprocess([*common, "--out", str(parts), "--stop-after", "3", "--mesh", "data=2,model=4"],
+                               devices=8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main([*common, "--out", str(parts), "--mesh", "data=1"]) == 0
+    assert main([*common, "--out", str(full), "--mesh", "data=1"]) == 0
+    a, b = _jsonl(full / "metrics.jsonl"), _jsonl(parts / "metrics.jsonl")
+    assert [r["step"] for r in b] == list(range(1, 6))
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-4)
+    binding = TargetBinding(**json.loads((full / "run.json").read_text())["target"])
+    assert _rel(_params(full / "drafter", binding), _params(parts / "drafter", binding)) < 1e-3
+
+
 def test_online_decoding_refuses_bad_input_in_one_sentence(tmp_path, capsys, tiny_dir, prompt_file):
     out = tmp_path / "out"
     base = ["train", *TINY_ARGS, "--loss", "treespark", "--steps", "2", "--online", "--out", str(out)]
