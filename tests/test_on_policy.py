@@ -59,6 +59,14 @@ def prompt_file(tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def keep_x64():
+    """``load_target(..., "float64")`` switches x64 on for the whole process; switched back after."""
+    before = jax.config.jax_enable_x64
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
 def _drafter(cfg, dtype) -> BlockDrafter:
     dcfg = drafter_config("treespark", cfg, target_layer_ids=default_layer_ids(cfg.n_layers), block_size=4,
                           pool_size=32)
@@ -81,7 +89,7 @@ def _leaves_differ(a, b) -> list[str]:
 
 @pytest.mark.parametrize("dtype", ["float64", pytest.param("float32", marks=pytest.mark.slow)])
 def test_online_trees_equal_an_offline_on_policy_rollout_and_so_do_loss_and_gradients(tmp_path, tiny_dir, prompt_file,
-                                                                                     dtype):
+                                                                                     dtype, keep_x64):
     """Tiny target: the online decode (the train state's parameters) logs the trees a rollout with the
     saved drafter stores, bit for bit, and the treespark loss and gradients online (target side
     computed in the step) equal those offline on the rollout's records: bit for bit in float64; in
