@@ -341,3 +341,53 @@ class TrainConfig:
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup={self.warmup} steps must lie in [0, steps={self.steps}) (the cosine decay "
                              "needs at least one step).")
+
+
+@dataclasses.dataclass(frozen=True)
+class OnPolicyConfig:
+    """Online training's own sequences and trees: what the current drafter decodes, and when
+    (``train.on_policy``; ``treespark train --online --prompts SET|FILE.jsonl``).
+
+    Every ``interval`` steps, before the step's batch is drawn, the drafter being trained decodes
+    ``prompts`` training prompts speculatively with ``method`` at budget ``budget`` (lossless: the
+    sequences are the target's own answers), and the sequences with their verified trees join a
+    FIFO of at most ``buffer`` sequences that every step's batch is drawn from.
+
+    Attributes:
+      prompts: the prompt set (``humaneval``, ``gsm8k``, ``mtbench``) or JSONL file decoded.
+      split: the split of a prompt set (``train`` by default; a JSONL file is used whole).
+      interval: K, steps between decodes (step 0 decodes first).
+      buffer: sequences the FIFO keeps (the oldest leave first).
+      decode_prompts: prompts per decode (one generation batch).
+      method: the speculative method of the decode (``methods.DRAFTER_METHODS``); ``None``:
+        ``dflash`` for the ``dflash`` loss (no Markov head), else ``pctree``.
+      budget: tree budget N of the decode (the logged trees' N).
+      max_new_tokens: cap on response tokens per decoded prompt.
+      temperature: decode temperature (0: greedy, trees verified with the greedy rule).
+
+    Raises:
+      ValueError: a count below 1 or a negative temperature (one sentence naming it).
+    """
+
+    prompts: str = "gsm8k"
+    split: str | None = None
+    interval: int = 50
+    buffer: int = 64
+    decode_prompts: int = 16
+    method: str | None = None
+    budget: int = 16
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+
+    def __post_init__(self):
+        for name, flag in (("interval", "--tree-interval"), ("buffer", "--tree-buffer"),
+                           ("decode_prompts", "--decode-prompts"), ("budget", "--tree-budget"),
+                           ("max_new_tokens", "--max-new-tokens")):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{flag} {getattr(self, name)} must be at least 1.")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature {self.temperature} must be 0 (greedy) or positive.")
+
+    def decode_method(self, loss: str) -> str:
+        """The decode's method for a drafter trained with ``loss`` (``method`` or its default)."""
+        return self.method or ("dflash" if loss == "dflash" else "pctree")

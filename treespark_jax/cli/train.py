@@ -1,5 +1,6 @@
 """``treespark train``: train a block drafter on rollouts (AdamW, data parallel, resumable), offline
-from stored features or online with the target in the step (``--online --prompts DIR``)."""
+from stored features or online with the target in the step (``--online --prompts DIR``), or online
+on the drafter's own decodes of a prompt set or file (``--online --prompts SET|FILE.jsonl``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from treespark_jax.cli.common import add_mesh_arg, add_target_args, check_at_lea
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Adds the ``train`` command to ``sub``; its defaults are those of ``config.TrainConfig``."""
-    from treespark_jax.config import LOSSES, TrainConfig
-    d = TrainConfig()
+    from treespark_jax.config import LOSSES, OnPolicyConfig, TrainConfig
+    from treespark_jax.methods import DRAFTER_METHODS
+    d, op = TrainConfig(), OnPolicyConfig()
     tr = sub.add_parser(
         "train", help="train a block drafter on rollouts (AdamW, data parallel, resumable)",
         description="Train a block drafter with Optax on rollout directories: several anchors per "
@@ -28,13 +30,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_target_args(tr, default="without either, offline training uses the rollouts' target; --online needs one")
     source = tr.add_mutually_exclusive_group(required=True)
     source.add_argument("--rollouts", nargs="+", metavar="DIR", help="rollout directories (offline training)")
-    source.add_argument("--prompts", nargs="+", metavar="DIR",
-                        help="with --online: rollout directories whose token sequences only are read; the target "
-                             "computes their features in every step")
+    source.add_argument("--prompts", nargs="+", metavar="SET|FILE|DIR",
+                        help="with --online: a prompt set (gsm8k, humaneval, mtbench; --split) or a JSONL file "
+                             "(as `treespark rollout --prompts` reads them), whose answers the target generates on "
+                             "the fly: every --tree-interval steps the drafter being trained decodes --decode-prompts "
+                             "of them speculatively and the sequences (and, for the treespark loss, the verified "
+                             "trees) join a FIFO of --tree-buffer sequences the batches are drawn from; or rollout "
+                             "directories whose token sequences only are read (dflash and dspark losses)")
     tr.add_argument("--online", action="store_true",
                     help="run the frozen target (--target or --preset; sharded like the drafter, heads and MLP "
                          "width over `model`) inside every train step instead of reading stored features: no "
-                         "feature store, the same batches and losses as offline (dflash and dspark losses)")
+                         "feature store, the same batches and losses as offline (dflash and dspark losses on "
+                         "rollout directories; any loss, treespark included, on a prompt set or file)")
+    og = tr.add_argument_group("online decoding (--online --prompts SET|FILE)")
+    og.add_argument("--split", default=None, choices=("train", "eval", "all"),
+                    help="split of a prompt set (default train); a JSONL file is used whole")
+    og.add_argument("--tree-interval", type=int, default=op.interval, metavar="K",
+                    help="steps between decodes with the current drafter (step 0 decodes first)")
+    og.add_argument("--tree-buffer", type=int, default=op.buffer, metavar="SEQS",
+                    help="decoded sequences kept (FIFO, host memory; saved with every checkpoint)")
+    og.add_argument("--decode-prompts", type=int, default=op.decode_prompts, metavar="N",
+                    help="prompts per decode (one generation batch)")
+    og.add_argument("--tree-method", default=None, choices=DRAFTER_METHODS,
+                    help="speculative method of the decode (default dflash for the dflash loss, else pctree)")
+    og.add_argument("--tree-budget", type=int, default=op.budget, metavar="N", help="tree budget N of the decode")
+    og.add_argument("--max-new-tokens", type=int, default=op.max_new_tokens,
+                    help="cap on response tokens per decoded prompt")
+    og.add_argument("--temperature", type=float, default=op.temperature,
+                    help="decode temperature (0: greedy, trees verified with the greedy rule)")
     tr.add_argument("--loss", required=True, choices=LOSSES, help="training loss (the drafter's heads follow it)")
     tr.add_argument("--out", required=True, metavar="DIR", help="run directory (one holding run.json is resumed)")
     tr.add_argument("--steps", type=int, default=d.steps, help="optimizer steps of the whole run")
@@ -94,6 +117,28 @@ def parse_loss_weights(text: str | None):
     return LossConfig(**values)
 
 
+def on_policy_config(args: argparse.Namespace):
+    """``OnPolicyConfig`` when ``--prompts`` names one prompt set or something that is not a
+    directory (a JSONL file, or a missing path the prompt loader names), else ``None`` (rollout
+    directories, or offline).
+
+    Raises:
+      ValueError: a prompt set or file mixed with other ``--prompts``, or a bad online decoding value.
+    """
+    from pathlib import Path
+
+    from treespark_jax.config import OnPolicyConfig
+
+    if not args.prompts or all(Path(p).is_dir() for p in args.prompts):
+        return None
+    if len(args.prompts) > 1:
+        raise ValueError(f"--prompts {' '.join(args.prompts)} mixes a prompt set or file with other values; pass "
+                         "one prompt set or JSONL file, or rollout directories only.")
+    return OnPolicyConfig(prompts=args.prompts[0], split=args.split, interval=args.tree_interval,
+                          buffer=args.tree_buffer, decode_prompts=args.decode_prompts, method=args.tree_method,
+                          budget=args.tree_budget, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+
+
 def run(args: argparse.Namespace) -> None:
     """Trains (or resumes) the run under ``--out`` and prints a summary table.
 
@@ -111,7 +156,9 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("--online reads token sequences from --prompts DIR, not stored features from --rollouts.")
     if args.prompts and not args.online:
         raise ValueError("--prompts feeds online training; add --online, or train offline on --rollouts DIR.")
-    check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2)
+    check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2, tree_interval=1, tree_buffer=1,
+                   decode_prompts=1, tree_budget=1, max_new_tokens=1)
+    on_policy = on_policy_config(args)
     cfg = TrainConfig(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,
                       seed=args.seed, seq_len=args.seq_len, anchors=args.anchors, trees=args.trees,
@@ -124,7 +171,8 @@ def run(args: argparse.Namespace) -> None:
         init_layers = comma_list("--init-layers", args.init_layers, int)
     mesh = parse_mesh(args.mesh)
     enable_compilation_cache()
-    r = train(args.prompts or args.rollouts, args.loss, args.out, cfg, target=args.target or args.preset,
+    r = train(() if on_policy else args.prompts or args.rollouts, args.loss, args.out, cfg,
+              target=args.target or args.preset, on_policy=on_policy,
               dtype=args.dtype, drafter_fields=fields, init=args.init, init_layers=init_layers, loss_cfg=loss_cfg,
               mesh=mesh, stop_after=args.stop_after, progress=not args.quiet, online=args.online)
     m = r.metrics

@@ -43,6 +43,7 @@ from treespark_jax.config import default_layer_ids, tree_temperature
 from treespark_jax.decode import buckets
 from treespark_jax.decode.engine import Engine, check_sampling
 from treespark_jax.decode.plan import Speculation
+from treespark_jax.decode.stats import GenerationStats
 from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.decoder import Decoder
@@ -52,8 +53,8 @@ from treespark_jax.rollouts.features import causal_features
 from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, make_record
 from treespark_jax.rollouts.store import RolloutWriter
 
-__all__ = ["RolloutRun", "RolloutSettings", "prompt_seed", "record_arrays", "record_normalisers", "target_features",
-           "target_normalisers", "write_rollouts"]
+__all__ = ["RolloutRun", "RolloutSettings", "on_policy_generation", "prompt_seed", "record_arrays",
+           "record_normalisers", "target_features", "target_normalisers", "write_rollouts"]
 
 NORMALISER_ROWS = 256
 """Hidden states per LM-head call of ``target_normalisers`` (``[256, V]`` float32 logits at a time)."""
@@ -221,6 +222,34 @@ def tree_log(log: dict[str, np.ndarray], head: TargetHead, rule: str, temperatur
                    temperature=temperature)
 
 
+def on_policy_generation(session, head: TargetHead, prompts: Sequence[Sequence[int]], settings: RolloutSettings,
+                         seeds: Sequence[int]) -> tuple[list[list[int]], list[StoredTrees], GenerationStats]:
+    """Speculative generation that logs every verified tree, as an on-policy rollout stores it.
+
+    The one path from a tree-logging session to stored trees, shared by ``write_rollouts`` and
+    online training (``train.on_policy``), so the trees online training learns from are those
+    an offline on-policy rollout of the same drafter, prompts and settings writes.
+
+    Args:
+      session: a ``decode.session.Session`` made with ``log_trees=True``.
+      head: the target's whole LM head (each verify row's normaliser, ``tree_log``).
+      prompts: token ids per prompt (one batch).
+      settings: ``max_new_tokens``, ``temperature`` and ``top_p`` of the generation.
+      seeds: one uint32 request seed per prompt (``prompt_seed``).
+
+    Returns:
+      ``(responses, trees, stats)``: per prompt its emitted ids and its ``StoredTrees`` (``R_i``
+      rounds; ``node_hidden [R_i, N + 1, D]`` as stored, bfloat16), and the generation's
+      statistics (τ, seconds).
+
+    Raises:
+      ValueError: as ``Session.generate_logged``.
+    """
+    outs, stats, logs = session.generate_logged(prompts, settings.max_new_tokens, settings.temperature,
+                                                settings.top_p, seeds)
+    return outs, [tree_log(log, head, session.plan.rule, settings.temperature) for log in logs], stats
+
+
 def _check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in layer_ids)
     if not ids or len(set(ids)) != len(ids) or not all(0 <= i < n_layers for i in ids):
@@ -306,9 +335,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                                                            settings.temperature, settings.top_p, seeds)
                     trees = [None] * len(batch)
                 else:
-                    outs, _, logs = session.generate_logged(ids, settings.max_new_tokens, settings.temperature,
-                                                            settings.top_p, seeds)
-                    trees = [tree_log(log, head, session.plan.rule, settings.temperature) for log in logs]
+                    outs, trees, _ = on_policy_generation(session, head, ids, settings, seeds)
                     feats = None
                 t1 = time.perf_counter()
                 if feats is None:  # a second pass: the speculative loop does not log every row's features

@@ -144,13 +144,22 @@ def _tree_rows(trees: dict[str, Any], length: int, n_trees: int, rng: np.random.
     return rows
 
 
+def _width(records: Sequence[dict[str, Any]]) -> int:
+    """D of the records: their hidden states' width, or their trees' (decoded sequences carry no
+    per-token hidden state, ``train.on_policy``)."""
+    if "hidden" in records[0]:
+        return records[0]["hidden"].shape[1]
+    return next(np.asarray(r["trees"]["node_hidden"]).shape[-1] for r in records if "trees" in r)
+
+
 def token_batch(records: Sequence[dict[str, Any]], *, seq_len: int, n_anchors: int, n_trees: int = 0,
                 tree_budget: int | None = None, rng: np.random.Generator) -> TokenBatch:
     """Stacks the tokens, anchors and trees of rollout records (or of any dicts with ``tokens``,
     ``loss_mask`` and, for trees, ``trees``) into one fixed-shape ``TokenBatch``.
 
     Args:
-      records: decoded records (``B`` of them; with ``n_trees``, full rollout records).
+      records: decoded records (``B`` of them; with ``n_trees``, full rollout records or
+        sequences with ``trees``, ``on_policy.TreeBuffer``).
       seq_len: T; longer sequences are cut at ``T`` tokens.
       n_anchors: A gold-chain anchors per sequence.
       n_trees: Tr logged trees per sequence (0: no trees; records without trees get empty slots).
@@ -181,7 +190,7 @@ def token_batch(records: Sequence[dict[str, Any]], *, seq_len: int, n_anchors: i
             tree_rows.append(_tree_rows(rec["trees"], n, n_trees, rng) if "trees" in rec else None)
     trees = None
     if n_trees:
-        d = records[0]["hidden"].shape[1]  # the width of empty slots' node_hidden
+        d = _width(records)  # the width of empty slots' node_hidden
         shapes = {r["tokens"].shape[1] for r in tree_rows if r is not None} | ({tree_budget} if tree_budget else set())
         if len(shapes) > 1:
             raise ValueError(f"logged trees have different budgets {sorted(shapes)}; train on one budget at a time.")

@@ -6,6 +6,9 @@ One ``orbax.checkpoint.CheckpointManager`` directory, one sub-directory per save
     <dir>/<step>/data/    the Grain iterator state, written by Grain's own Orbax handler
                           (``grain.checkpoint``; one ``process_<i>-of-<n>.json`` per process)
     <dir>/<step>/meta/    JSON: the run identity and the metrics at that step
+    <dir>/<step>/trees/   online on-policy runs only: the sequence and tree buffer
+                          (``on_policy.TreeBuffer.to_bytes``, one uint8 array; its length in meta
+                          under ``tree_buffer_bytes``)
 
 Orbax writes a step under a temporary name and renames it once every item is written
 (``commit_success.txt``), and only finished steps are listed, so an interrupted save never
@@ -26,11 +29,13 @@ from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 __all__ = ["TrainCheckpoints"]
 
-_ITEMS = ("state", "data", "meta")
+_ITEMS = ("state", "data", "meta", "trees")
+BUFFER_KEY = "tree_buffer_bytes"  # meta key of the saved buffer's length
 
 
 def _path_name(path) -> str:
@@ -49,7 +54,7 @@ class TrainCheckpoints:
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
         handlers = {"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
-                    "meta": ocp.JsonCheckpointHandler()}
+                    "meta": ocp.JsonCheckpointHandler(), "trees": ocp.StandardCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS,
                                              item_handlers=handlers)
 
@@ -57,12 +62,32 @@ class TrainCheckpoints:
         """The newest finished step, or ``None``."""
         return self.manager.latest_step()
 
-    def save(self, step: int, state: dict[str, Any], iterator: grain.DatasetIterator, meta: dict[str, Any]) -> None:
-        """Saves ``state``, the iterator's position and ``meta`` (JSON) as step ``step``
-        (asynchronously: the arrays are copied off the devices before this returns)."""
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator),
-            meta=ocp.args.JsonSave(meta)), force=True)
+    def save(self, step: int, state: dict[str, Any], iterator: grain.DatasetIterator, meta: dict[str, Any],
+             trees: np.ndarray | None = None) -> None:
+        """Saves ``state``, the iterator's position, ``meta`` (JSON) and, when given, the ``[n]``
+        uint8 tree buffer as step ``step`` (asynchronously: the arrays are copied off the devices
+        before this returns)."""
+        items = dict(state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(iterator),
+                     meta=ocp.args.JsonSave(meta if trees is None else {**meta, BUFFER_KEY: int(trees.size)}))
+        if trees is not None:
+            items["trees"] = ocp.args.StandardSave({"bytes": np.array(trees, np.uint8)})
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def restore_trees(self, step: int, meta: dict[str, Any]) -> np.ndarray | None:
+        """The tree buffer saved with step ``step`` (``[n]`` uint8), or ``None`` when it has none.
+
+        Raises:
+          ValueError: a damaged buffer item.
+        """
+        if BUFFER_KEY not in meta:
+            return None
+        want = {"bytes": np.zeros((int(meta[BUFFER_KEY]),), np.uint8)}
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(trees=ocp.args.StandardRestore(want)))
+        except Exception as e:  # noqa: BLE001  (as restore)
+            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise ValueError(f"checkpoint step {step} in {self.directory} has no readable tree buffer ({reason}).") from e
+        return np.asarray(restored["trees"]["bytes"], np.uint8)
 
     def _check_shapes(self, step: int, abstract: dict[str, Any]) -> None:
         try:

@@ -5,7 +5,8 @@ A run directory ``<out>``::
     run.json          what the run is (loss, TrainConfig, drafter config, target binding,
                       rollout directories); a second run on the same ``<out>`` must match it
                       and resumes from the newest checkpoint
-    checkpoints/      Orbax steps: train state + Grain iterator + metadata (checkpointing.py)
+    checkpoints/      Orbax steps: train state + Grain iterator + metadata (+ the on-policy
+                      buffer of an online run on prompts; checkpointing.py)
     metrics.jsonl     one line per logged step (metrics_log.py)
     tb/               TensorBoard event files
     drafter/          the trained drafter (``drafter.checkpoint.save_drafter``), written when the
@@ -28,9 +29,11 @@ partition rules, and every step computes the features and ``p_t`` of its sequenc
 (``train.online``); of the rollouts only the tokens and loss masks are used (the records are
 still read whole), and the batches (anchors included) are those of the offline run with the same
 settings. The target must be named (it is
-the source of the data, not a default), and only the gold-chain losses (``dflash``, ``dspark``)
-train online: the ``treespark`` loss's logged trees carry the target's verify rows, which an
-online step does not compute yet.
+the source of the data, not a default). With ``on_policy`` (``--prompts SET|FILE.jsonl``) no
+rollout is read: the drafter being trained decodes training prompts every ``interval`` steps and
+the sequences, with their verified trees for the ``treespark`` loss, fill a bounded buffer the
+batches are drawn from, saved with every checkpoint (``train.on_policy``). The ``treespark`` loss
+trains online only so: rollout directories give no trees of the current drafter.
 
 A draft vocabulary (``draft_vocab`` among the drafter fields, ``--draft-vocab K``: the ``K`` most
 frequent tokens of the rollouts, ``train.draft_vocab``; or the ``--init`` drafter's own) is
@@ -49,6 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grain
 import jax
 import numpy as np
 import optax
@@ -56,7 +60,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from treespark_jax.config import LOSSES, TrainConfig
+from treespark_jax.config import LOSSES, OnPolicyConfig, TrainConfig
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter, warm_start
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.files import hold_lock, remove_partials, write_text_atomic
@@ -70,6 +74,7 @@ from treespark_jax.train.checkpointing import TrainCheckpoints
 from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
+from treespark_jax.train.on_policy import OnPolicySource, training_prompts
 from treespark_jax.train.online import OnlineStep
 from treespark_jax.train.optim import learning_rate, make_optimizer
 from treespark_jax.train.parallel import global_batch
@@ -151,7 +156,7 @@ def _check_same_run(path: Path, identity: dict[str, Any]) -> None:
                              "same settings or choose another --out.")
 
 
-def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, init: str | None,
+def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet | None, init: str | None,
              init_layers: Sequence[int] | None, fields: dict[str, Any], dtype, seed: int
              ) -> tuple[BlockDrafter, np.ndarray | None]:
     """A fresh drafter with ``loss``'s heads and its draft vocabulary's ids (``None``: the whole
@@ -162,17 +167,25 @@ def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, in
     start from a ``dspark`` one (confidence head) — and its draft vocabulary is kept unless
     ``fields`` name one. The returned drafter itself has none: the step takes the restricted head.
     With ``init_layers``, drafter layer ``i`` starts as a copy of target layer ``init_layers[i]``.
+    Without ``rollouts`` (online on-policy data) the target layers are the ``init`` drafter's, else
+    the default ones, and a draft vocabulary comes only from ``init``.
     """
     base = None
+    layer_ids = None if rollouts is None else rollouts.layer_ids
     if init is not None:
         base, meta = load_drafter(init, binding, dtype=dtype)
-        if meta.cfg.target_layer_ids != rollouts.layer_ids:
+        layer_ids = layer_ids or meta.cfg.target_layer_ids
+        if meta.cfg.target_layer_ids != layer_ids:
             raise ValueError(f"drafter {init} reads target layers {list(meta.cfg.target_layer_ids)} but the rollouts "
                              f"carry features of layers {list(rollouts.layer_ids)}.")
         shape = {k: getattr(meta.cfg, k) for k in ("n_layers", "block_size", "pool_size", "markov_rank")}
         fields = {**shape, **fields}
-    cfg = drafter_config(loss, target.cfg, **{"target_layer_ids": rollouts.layer_ids, **fields})  # checks K
+    known = {} if layer_ids is None else {"target_layer_ids": layer_ids}
+    cfg = drafter_config(loss, target.cfg, **{**known, **fields})  # checks K
     ids = None
+    if cfg.draft_vocab and rollouts is None:
+        raise ValueError(f"--draft-vocab {cfg.draft_vocab} ranks the tokens of rollouts; with --prompts SET|FILE "
+                         "start from an --init drafter with a draft vocabulary, or use the whole vocabulary (0).")
     if cfg.draft_vocab:
         ids = frequency_ranked_vocab(rollouts, cfg.draft_vocab, target.cfg.vocab_size)
     elif base is not None and base.draft_vocab is not None and "draft_vocab" not in fields:
@@ -185,10 +198,11 @@ def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet, in
     return drafter, ids
 
 
-def _online_step(step: TrainStep, model, layer_ids, state):
-    """``OnlineStep.jitted`` with the target's weights placed by the rules, called like the offline step."""
-    graphdef, weights = nnx.split(model)
-    weights = step.rules.place(weights)
+def _online_step(step: TrainStep, model, layer_ids, state, weights=None):
+    """``OnlineStep.jitted`` with the target's weights (default ``model``'s) placed by the rules, called
+    like the offline step."""
+    graphdef, own = nnx.split(model)
+    weights = step.rules.place(own if weights is None else weights)
     fn = OnlineStep(step, graphdef, tuple(layer_ids)).jitted(state, weights)
     return lambda state, head, tokens, draft_head: fn(state, weights, head, tokens, draft_head)
 
@@ -198,11 +212,12 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
           init: str | None = None, init_layers: Sequence[int] | None = None, loss_cfg: LossConfig = LossConfig(),
           mesh: str | MeshShape | Mesh | None = None, mesh_size: int | None = None,
           stop_after: int | None = None, tx: optax.GradientTransformation | None = None,
-          progress: bool = True, online: bool = False) -> TrainResult:
-    """Trains (or resumes training) a block drafter on rollouts.
+          progress: bool = True, online: bool = False, on_policy: OnPolicyConfig | None = None) -> TrainResult:
+    """Trains (or resumes training) a block drafter on rollouts, or online on its own decodes.
 
     Args:
-      rollouts: rollout directories (``treespark rollout --out``), all of one target and layers.
+      rollouts: rollout directories (``treespark rollout --out``), all of one target and layers;
+        ignored (pass ``()``) with ``on_policy``.
       loss: one of ``losses.LOSSES``; it fixes the drafter's heads (``methods.drafter_config``).
       out: the run directory (module docstring); one holding ``run.json`` is resumed.
       cfg: batch, optimizer, schedule, bookkeeping.
@@ -221,7 +236,10 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
       tx: optimizer override (default ``optim.make_optimizer(cfg)``; tests pass plain SGD).
       progress: progress bar and console lines.
       online: compute the target side of every batch in the step from the rollouts' tokens
-        (module docstring); needs ``target`` and a gold-chain loss.
+        (module docstring); needs ``target`` and, without ``on_policy``, a gold-chain loss.
+      on_policy: with ``online``, the sequences (and, for ``treespark``, the trees) come from the
+        drafter being trained decoding these prompts every ``interval`` steps (``train.on_policy``),
+        not from rollouts.
 
     Returns:
       A :class:`TrainResult`.
@@ -233,7 +251,9 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         without trees for ``treespark``, a mesh the devices cannot form, a batch that does not
         split over the ``data`` axis, an ``out`` holding a different run, or another process
         training into ``out`` (its lock, ``files.hold_lock``, is held until this returns);
-        online without ``target`` or with the ``treespark`` loss.
+        online without ``target``, or with the ``treespark`` loss on rollout directories;
+        ``on_policy`` without ``online``, on several processes, with prompts that do not exist or do not
+        fit the target's context, or a ``--draft-vocab`` to rank (no rollouts).
     """
     from treespark_jax.models.load import load_target
 
@@ -243,46 +263,64 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         raise ValueError("--init and --init-layers both set the drafter's layers; choose one.")
     if online and target is None:
         raise ValueError("--online runs the target in every step; name it with --target PATH or --preset NAME.")
-    if online and loss == "treespark":
-        raise ValueError("--online trains the dflash and dspark losses; the treespark loss needs logged trees, "
-                         "which online training does not compute yet: train it offline on on-policy rollouts.")
+    if on_policy is not None and not online:
+        raise ValueError(f"--prompts {on_policy.prompts} is decoded by online training; add --online.")
+    if online and loss == "treespark" and on_policy is None:
+        raise ValueError("--online --loss treespark learns from trees its drafter decodes: pass a prompt set or "
+                         "JSONL file to --prompts, not rollout directories (or train offline on their --rollouts).")
+    if on_policy is not None and jax.process_count() > 1:
+        raise ValueError(f"--prompts {on_policy.prompts} is decoded on one process; a multi-host online run "
+                         "reads rollout directories' tokens (--prompts DIR).")
     if stop_after is not None and not 1 <= stop_after <= cfg.steps:
         raise ValueError(f"--stop-after {stop_after} must lie in [1, steps={cfg.steps}].")
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out {out} is a file, not a run directory.")
     dirs = [Path(rollouts)] if isinstance(rollouts, (str, Path)) else [Path(d) for d in rollouts]
-    if not dirs:
+    if on_policy is not None:  # a missing set or file fails here, before the target loads
+        on_policy, prompts = training_prompts(on_policy)
+        dirs, manifest = [], {"target": {"name": target}}
+    elif not dirs:
         raise ValueError("no rollout directory was given.")
-    manifest = read_manifest(dirs[0])  # an empty or foreign directory fails here, before the target loads
+    else:
+        manifest = read_manifest(dirs[0])  # an empty or foreign directory fails here, before the target loads
     mesh = _mesh(mesh, mesh_size)
     if cfg.batch % mesh.shape[DATA]:
         raise ValueError(f"batch {cfg.batch} does not split evenly over the {mesh.shape[DATA]} devices of the data "
                          "axis.")
     loaded = load_target(target or manifest["target"]["name"], dtype)
     binding = TargetBinding.of(loaded)
-    rs = open_rollouts(dirs, expect=binding)
-    if cfg.seq_len <= rs.shortest_prompt:
-        raise ValueError(f"--seq-len {cfg.seq_len} leaves no response token to train on: every prompt in the "
-                         f"rollouts has at least {rs.shortest_prompt} tokens; use --seq-len {rs.shortest_prompt + 1} "
-                         "or more.")
-    rule, budget = tree_layout(rs) if loss == "treespark" else (None, 1)
+    rs = None if on_policy is not None else open_rollouts(dirs, expect=binding)
     jdtype = getattr(jax.numpy, dtype)
     drafter, vocab_ids = _drafter(loss, loaded, binding, rs, init, init_layers, drafter_fields or {}, jdtype,
                                   cfg.seed)
     head = TargetHead.of(loaded.model, jdtype)
     rules = Partitioner.for_model(mesh, loaded.cfg)
     target_model = loaded.model if online else None
+    source = None
+    if on_policy is not None:  # the target placed once, for the decode and the step alike
+        nnx.update(loaded.model, rules.place(nnx.state(loaded.model)))
+        source = OnPolicySource(loaded, prompts, on_policy, cfg, loss, nnx.graphdef(drafter), vocab_ids, mesh)
+    shortest = rs.shortest_prompt if rs is not None else source.shortest_prompt
+    if cfg.seq_len <= shortest:
+        raise ValueError(f"--seq-len {cfg.seq_len} leaves no response token to train on: every prompt in the "
+                         f"{'rollouts' if rs is not None else 'prompts'} has at least {shortest} tokens; use "
+                         f"--seq-len {shortest + 1} or more.")
+    rule, budget = None, 1
+    if loss == "treespark":
+        rule, budget = tree_layout(rs) if rs is not None else source.tree_layout(nnx.state(drafter))
+    n_records = len(rs) if rs is not None else len(prompts)
     del loaded
 
     out = Path(out).absolute()
     identity = _json({"loss": loss, "loss_config": dataclasses.asdict(loss_cfg), "train": dataclasses.asdict(cfg),
                       "drafter": dataclasses.asdict(drafter.cfg), "target": dataclasses.asdict(binding),
                       "draft_vocab": None if vocab_ids is None else hashlib.sha256(vocab_ids.tobytes()).hexdigest(),
-                      "rollouts": [str(d.absolute()) for d in dirs], "records": len(rs),
+                      "rollouts": [str(d.absolute()) for d in dirs], "records": n_records,
                       "init": str(Path(init).absolute()) if init else None,
                       "init_layers": None if init_layers is None else [int(i) for i in init_layers],
                       "dtype": dtype, "optimizer": "adamw" if tx is None else "custom",
-                      **({"online": True} if online else {})})
+                      **({"online": True} if online else {}),
+                      **({"on_policy": dataclasses.asdict(on_policy)} if on_policy is not None else {})})
     run_file = out / RUN_FILE
     if run_file.exists():
         _check_same_run(run_file, identity)
@@ -305,20 +343,32 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         ckpts = TrainCheckpoints(out / "checkpoints", keep=cfg.keep)
         block, blocks = process_data_block(mesh)  # this process's rows of every global batch
         n_trees = cfg.trees if loss == "treespark" else 0
-        iterator = data_iterator(train_dataset(rs, cfg, n_trees=n_trees, rule=rule, budget=budget, online=online,
-                                               process_index=block, process_count=blocks))
+        if source is None:
+            iterator = data_iterator(train_dataset(rs, cfg, n_trees=n_trees, rule=rule, budget=budget, online=online,
+                                                   process_index=block, process_count=blocks))
+        else:  # the stream is of step numbers; the buffer makes each step's batch (train.on_policy)
+            iterator = data_iterator(grain.MapDataset.range(cfg.steps))
         start = ckpts.latest_step() or 0
         last_saved: dict[str, Any] = {}
         if start:  # restored straight into this mesh's layout, whatever mesh saved it
             state, meta = ckpts.restore(start, rules.abstract(state), iterator)
             last_saved = meta.get("metrics", {})
+            if source is not None:
+                saved = ckpts.restore_trees(start, meta)
+                if saved is None:
+                    raise ValueError(f"checkpoint step {start} in {ckpts.directory} has no on-policy buffer to resume.")
+                source.buffer.load(saved)
         else:
             state = rules.place(state)
         head = jax.device_put(head, replicated(mesh))
         draft_head = None if vocab_ids is None else jax.device_put(head.restricted(vocab_ids), replicated(mesh))
         end = max(start, min(stop_after or cfg.steps, cfg.steps))
         step = TrainStep(graphdef, tx, loss, loss_cfg, rule, mesh, rules)
-        step_fn = step.jitted(state) if target_model is None else _online_step(step, target_model, rs.layer_ids, state)
+        if target_model is None:
+            step_fn = step.jitted(state)
+        else:
+            step_fn = _online_step(step, target_model, drafter.cfg.target_layer_ids, state,
+                                   None if source is None else source.engine.weights)
 
         log = MetricsLog(out, start_step=start, total_steps=cfg.steps, progress=progress, enabled=primary)
         last = last_saved
@@ -326,7 +376,11 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         t0 = time.perf_counter()
         try:
             for s in range(start, end):
-                batch = global_batch(next(iterator), mesh)
+                item = next(iterator)
+                if source is not None:  # decodes with the current drafter every interval steps
+                    source.before_step(item, state["params"])
+                    item = source.batch(item, budget if n_trees else None)
+                batch = global_batch(item, mesh)
                 state, metrics = step_fn(state, head, batch, draft_head)
                 history.append(metrics)
                 log.advance()
@@ -336,11 +390,12 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
                     elapsed = time.perf_counter() - t0
                     tokens = sum(float(h.pop("tokens")) for h in host)
                     last = dict(mean_metrics(host), lr=float(schedule(s)), tokens_per_s=tokens / max(elapsed, 1e-9),
-                                epoch=done * cfg.batch / len(rs))
+                                epoch=done * cfg.batch / n_records, **(source.last_decode if source else {}))
                     log.log(done, last)
                     history, t0 = [], time.perf_counter()
                 if done % cfg.save_every == 0 or done == end:
-                    ckpts.save(done, state, iterator, {"step": done, "metrics": last, "records_seen": done * cfg.batch})
+                    ckpts.save(done, state, iterator, {"step": done, "metrics": last, "records_seen": done * cfg.batch},
+                               trees=None if source is None else source.buffer.to_bytes())
             ckpts.wait()
         finally:
             log.close()
@@ -355,8 +410,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
                 final = nnx.merge(graphdef, params)
                 final = final if vocab_ids is None else final.with_draft_vocab(vocab_ids)
                 training = {"loss": loss, "loss_config": identity["loss_config"], "train": identity["train"],
-                            "rollouts": identity["rollouts"], "records": len(rs), "steps": cfg.steps, "metrics": last,
-                            "init": init}
+                            "rollouts": identity["rollouts"], "records": n_records, "steps": cfg.steps,
+                            "metrics": last, "init": init, **({"on_policy": identity["on_policy"]} if source else {})}
                 save_drafter(path, final, binding, training=_json(training), overwrite=True)
         return TrainResult(out=out, start_step=start, step=end, finished=finished, drafter_path=path, metrics=last,
                            params=params)
