@@ -1,0 +1,81 @@
+"""Attention of a model call over the KV cache's committed key blocks (online softmax).
+
+A decode step or a verify call attends over the committed slots of its rows and over its own new
+rows, which sit right after them. Reading the whole cache would make every call pay for the
+capacity; slicing a static leading width still rounds the read up to a bucket and, on XLA's CPU
+backend, copies the width out of the cache before the products read it. Here the call walks the
+cache in fixed blocks of ``KEY_BLOCK`` slots with ``lax.fori_loop`` up to the longest row's extent:
+one loop in one program for every length, each block a small copy that stays in cache before both
+products read it, and the softmax merged across blocks online (the running maximum and sum of
+Milakov & Gimelshein 2018, "Online normalizer calculation for softmax", as in FlashAttention,
+Dao et al. 2022, §3.1). ``experiments/bench_attention.py`` and ``experiments/bench_context.py``
+measure it against the leading power-of-two widths it replaced.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from treespark_jax.typing import Array, Bool, Float, Int
+
+KEY_BLOCK = 256
+
+
+def block_attention(q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"], v: Float[Array, "L B K S E"],
+                    layer: int, mask: Bool[Array, "B #T S"], extent: Int[Array, ""]) -> Float[Array, "B T H E"]:
+    """Grouped-query softmax attention of ``q`` over layer ``layer`` of a head-major KV cache,
+    reading only the blocks of ``KEY_BLOCK`` slots that hold the first ``extent`` slots.
+
+    Equal to ``models/layers.attention(q, k[layer], v[layer], mask)`` up to float rounding (the
+    softmax is normalised once, after the last block). Scores are query-major per block,
+    ``[B, K, T·G, KEY_BLOCK]``, and run in float32 (float64 when the inputs are float64). The last
+    block of a capacity that is not a multiple of ``KEY_BLOCK`` is read from ``S − KEY_BLOCK``
+    on, its slots already read masked out, so no read leaves the cache.
+
+    Args:
+      q: ``[B, T, H, E]`` queries (RoPE applied), ``H`` a multiple of ``K``.
+      k: ``[L, B, K, S, E]`` cached keys (``KVCache.k``); slots ``< extent`` hold what the call
+        may attend to.
+      v: ``[L, B, K, S, E]`` cached values.
+      layer: static index into ``L``.
+      mask: ``[B, T, S]`` or ``[B, 1, S]`` bool, True where a query may attend to a slot. Every
+        query row needs a True slot below ``extent``; slots at and after ``extent`` must be False
+        (blocks past it are not read).
+      extent: int32 scalar, slots any query may see (the longest row's committed length plus the
+        call's new rows), at most ``S``.
+
+    Returns:
+      ``[B, T, H, E]`` attention outputs in ``q``'s dtype.
+    """
+    b, t, h, e = q.shape
+    kv, s = k.shape[2], k.shape[3]
+    g = h // kv
+    block = min(KEY_BLOCK, s)
+    acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    lowest = jnp.finfo(acc).min  # finite: a block with no allowed slot must not make exp(-inf + inf)
+    queries = q.reshape(b, t, kv, g, e).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, e)
+    scale = 1.0 / jnp.sqrt(jnp.asarray(e, acc))
+
+    def read(i, carry):
+        top, total, out = carry
+        start = jnp.minimum(i * block, s - block)
+        keys = jax.lax.dynamic_slice_in_dim(k[layer], start, block, axis=2)
+        values = jax.lax.dynamic_slice_in_dim(v[layer], start, block, axis=2)
+        fresh = start + jnp.arange(block) >= i * block  # the clamped last block re-reads earlier slots
+        allowed = jax.lax.dynamic_slice_in_dim(mask, start, block, axis=2) & fresh
+        allowed = jnp.broadcast_to(allowed[:, None, :, None, :], (b, 1, t, g, block)).reshape(b, 1, t * g, block)
+        scores = jnp.einsum("BKQE,BKSE->BKQS", queries, keys, preferred_element_type=acc) * scale
+        scores = jnp.where(allowed, scores, lowest)
+        new_top = jnp.maximum(top, scores.max(axis=-1))
+        probs = jnp.exp(scores - new_top[..., None])
+        shrink = jnp.exp(top - new_top)
+        out = out * shrink[..., None] + jnp.einsum("BKQS,BKSE->BKQE", probs.astype(v.dtype), values,
+                                                   preferred_element_type=acc)
+        return new_top, total * shrink + probs.sum(axis=-1), out
+
+    blocks = jnp.clip((extent + block - 1) // block, 1, -(-s // block))
+    start = (jnp.full((b, kv, t * g), lowest, acc), jnp.zeros((b, kv, t * g), acc), jnp.zeros((b, kv, t * g, e), acc))
+    _, total, out = jax.lax.fori_loop(0, blocks, read, start)
+    out = (out / total[..., None]).astype(q.dtype)
+    return out.reshape(b, kv, t, g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h, e)
