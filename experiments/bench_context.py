@@ -1,6 +1,6 @@
 """Target call latency against committed context: attention over the leading power-of-two key
-width (the behaviour before commit f7b5b9d) against attention over the committed key blocks
-(``models/block_attention.py``), side by side in one process.
+width (the behaviour before commit f7b5b9d), over the committed key blocks, and the library's
+choice between them (``models/block_attention.py``), side by side in one process.
 
 Every call runs in one cache of the same capacity (room for the longest context and the most
 rows, as one request's cache), at batch 1, donated and written in place as in a decode loop
@@ -10,9 +10,10 @@ rows, as one request's cache), at batch 1, donated and written in place as in a 
 - ``key width``: attention over the smallest power-of-two width (from 256) that holds the
   committed context and the new rows, sliced out of the cache (``kv_cache.by_key_width`` over
   ``layers.attention``, one ``lax.switch`` per layer);
-- ``key blocks``: the library's attention, blocks of ``block_attention.KEY_BLOCK`` slots up to
-  the committed context and the new rows, online softmax; ``key blocks@N`` traces it with blocks
-  of ``N`` slots.
+- ``key blocks``: blocks of ``block_attention.KEY_BLOCK`` slots up to the committed context and
+  the new rows, online softmax, for every call; ``key blocks@N`` with blocks of ``N`` slots;
+- ``library``: ``block_attention.cache_attention``, what the decoder runs: leading widths for one
+  row, key blocks for more.
 
 Rows 1 is the one-row decode step, rows 9 the verify call of an 8-node tree. Calls are timed in
 interleaved sweeps (``bench/profile.interleaved_seconds``); the table gives each cell's median
@@ -21,7 +22,7 @@ smallest context. On a shared machine the minimum is the steadier of the two.
 
 Usage:
   python experiments/bench_context.py [--preset smollm2-135m] [--contexts 64,256,1024,2048]
-      [--rows 1,9] [--modes "key width,key blocks"] [--repeats 7]
+      [--rows 1,9] [--modes "key width,library"] [--repeats 7]
       [--json-out experiments/results/bench_context.json]
 """
 
@@ -44,11 +45,11 @@ from treespark_jax.models import block_attention, decoder, kv_cache
 from treespark_jax.models.layers import attention
 from treespark_jax.models.load import load_target
 
-MODES = ("capacity", "key width", "key blocks")
+MODES = ("capacity", "key width", "key blocks", "library")
 
 
 def leading_width(min_width: int):
-    """``block_attention``'s signature over the leading power-of-two width from ``min_width``
+    """``cache_attention``'s signature over the leading power-of-two width from ``min_width``
     (a ``min_width`` above the capacity: the whole capacity)."""
     def over(layer, width, q, k, v, mask):
         return attention(q, k[layer, :, :, :width], v[layer, :, :, :width], mask[:, :, :width])
@@ -83,6 +84,8 @@ def variant(mode: str, capacity: int):
         return leading_width(kv_cache.MIN_KEY_WIDTH)
     if mode == "key blocks":
         return block_attention.block_attention
+    if mode == "library":
+        return block_attention.cache_attention
     return key_blocks(int(mode.removeprefix("key blocks@")))
 
 
@@ -91,7 +94,7 @@ def main() -> None:
     parser.add_argument("--preset", default="smollm2-135m")
     parser.add_argument("--contexts", default="64,256,1024,2048", type=lambda t: comma_list("--contexts", t, int))
     parser.add_argument("--rows", default="1,9", type=lambda t: comma_list("--rows", t, int))
-    parser.add_argument("--modes", default="key width,key blocks", type=lambda t: comma_list("--modes", t, str))
+    parser.add_argument("--modes", default="key width,library", type=lambda t: comma_list("--modes", t, str))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json-out", default="experiments/results/bench_context.json")
     args = parser.parse_args()
@@ -101,15 +104,15 @@ def main() -> None:
     model = load_target(args.preset).model
     capacity = cache_capacity(args.contexts[-1], 0, args.rows[-1])
     cells = [(c, r) for c in args.contexts for r in args.rows]
-    library = decoder.block_attention
+    library = decoder.cache_attention
     calls = []
     for mode in args.modes:  # each mode traced (by its first call) with its own attention
-        decoder.block_attention = variant(mode, capacity)
+        decoder.cache_attention = variant(mode, capacity)
         program = forward_program()
         calls += [forward_call(model, r, c, capacity, program=program) for c, r in cells]
         for call in calls[-len(cells):]:
             jax.block_until_ready(call())
-    decoder.block_attention = library
+    decoder.cache_attention = library
     seconds = interleaved_seconds(calls, args.repeats, progress=True)
     median, minimum = 1e3 * np.median(seconds, axis=1), 1e3 * np.min(seconds, axis=1)
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from treespark_jax.decode.ar import decode_mask
 from treespark_jax.models import block_attention as blocks
-from treespark_jax.models.block_attention import block_attention
+from treespark_jax.models.block_attention import block_attention, cache_attention
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.models.layers import attention
 
@@ -84,6 +84,24 @@ def test_decoder_reads_only_the_committed_blocks_and_equals_dense_attention(x64,
     np.testing.assert_allclose(cut, full, rtol=1e-12, atol=1e-12)
 
 
+# (committed lengths, the leading width a one-row call reads: a power of two from 256, or the capacity)
+ONE_ROW = [((10, 40), 256), ((10, 300), 512), ((700, 5), 1024), ((1140, 5), CAPACITY)]
+
+
+@pytest.mark.parametrize("lengths, read", ONE_ROW)
+def test_a_one_row_call_reads_only_the_leading_width(x64, lengths, read):
+    rng = np.random.default_rng(7)
+    cache = random_cache(tiny_decoder("llama").cfg, lengths, 4)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)))
+    lens = cache.lengths
+    mask = decode_mask(lens, CAPACITY) | (jnp.arange(CAPACITY)[None, None, :] == lens[:, None, None])
+    extent = jnp.max(lens) + 1
+    want = attention(q, cache.k[1], cache.v[1], mask)
+    poisoned = cache.v.at[:, :, :, read:].set(jnp.nan)
+    got = cache_attention(q, cache.k, poisoned, 1, mask, extent)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_one_decoder_program_serves_every_length(x64):
     model = tiny_decoder("llama", seed=4)
     graphdef, weights = nnx.split(model)
@@ -91,9 +109,13 @@ def test_one_decoder_program_serves_every_length(x64):
     @jax.jit
     def step(weights, tokens, cache):
         m = nnx.merge(graphdef, weights)
-        return m(tokens, cache.lengths[:, None], decode_mask(cache.lengths, CAPACITY), cache).hidden
+        t = tokens.shape[1]
+        mask = decode_mask(cache.lengths, CAPACITY) | (
+            jnp.arange(CAPACITY)[None, None, :] < cache.lengths[:, None, None] + t)
+        return m(tokens, cache.lengths[:, None] + jnp.arange(t)[None], mask, cache).hidden
 
-    for lengths, read in CASES:
-        out = step(weights, jnp.asarray([[1], [2]]), random_cache(model.cfg, lengths, 1, poison_from=read + 1))
-        assert np.isfinite(np.asarray(out)).all()
-    assert step._cache_size() == 1
+    for rows in (1, 3):  # leading widths, key blocks
+        for lengths, _ in CASES:
+            out = step(weights, jnp.ones((2, rows), jnp.int32), random_cache(model.cfg, lengths, 1))
+            assert np.isfinite(np.asarray(out)).all()
+    assert step._cache_size() == 2  # one program per call shape, whatever the length

@@ -1,25 +1,54 @@
-"""Attention of a model call over the KV cache's committed key blocks (online softmax).
+"""Attention of a model call over the committed part of the KV cache.
 
 A decode step or a verify call attends over the committed slots of its rows and over its own new
 rows, which sit right after them. Reading the whole cache would make every call pay for the
-capacity; slicing a static leading width still rounds the read up to a bucket and, on XLA's CPU
-backend, copies the width out of the cache before the products read it. Here the call walks the
-cache in fixed blocks of ``KEY_BLOCK`` slots with ``lax.fori_loop`` up to the longest row's extent:
-one loop in one program for every length, each block a small copy that stays in cache before both
-products read it, and the softmax merged across blocks online (the running maximum and sum of
-Milakov & Gimelshein 2018, "Online normalizer calculation for softmax", as in FlashAttention,
-Dao et al. 2022, §3.1). ``experiments/bench_attention.py`` and ``experiments/bench_context.py``
-measure it against the leading power-of-two widths it replaced.
+capacity. Two ways to read less, one program for every length either way:
+
+- **key blocks** (``block_attention``, calls of two or more rows): the call walks the cache in
+  fixed blocks of ``KEY_BLOCK`` slots with ``lax.fori_loop`` up to the longest row's extent, each
+  block a small copy that stays in cache before both products read it, and merges the softmax
+  across blocks online (the running maximum and sum of Milakov & Gimelshein 2018, "Online
+  normalizer calculation for softmax", as in FlashAttention, Dao et al. 2022, §3.1);
+- **leading width** (``kv_cache.by_key_width`` over ``layers.attention``, one-row calls): the
+  smallest power-of-two width from 256 that holds the extent, sliced out of the cache, one
+  ``lax.switch`` branch per width.
+
+On this CPU a loop iteration costs about as much as reading a block for one query row, so the
+one-row decode step stays on leading widths, while a verify call's rows amortise it: nine rows
+at 1,033 keys cost 23.8 ms of attention over 30 layers in key blocks against 40.7 ms in leading
+widths (rounded up to 2,048), one row 12.8 against 12.6 ms (``experiments/bench_attention.py``,
+minimum of 21 interleaved repeats on the loaded 2-core machine; ``experiments/bench_context.py``
+end to end, docs/cost_model.md).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from treespark_jax.models.kv_cache import by_key_width
+from treespark_jax.models.layers import attention
 from treespark_jax.typing import Array, Bool, Float, Int
 
 KEY_BLOCK = 256
+
+
+def _leading_attention(layer: int, width: int, q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"],
+                       v: Float[Array, "L B K S E"], mask: Bool[Array, "B #T S"]) -> Float[Array, "B T H E"]:
+    """Attention of ``q`` over layer ``layer``'s first ``width`` cache slots."""
+    return attention(q, k[layer, :, :, :width], v[layer, :, :, :width], mask[:, :, :width])
+
+
+def cache_attention(q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"], v: Float[Array, "L B K S E"],
+                    layer: int, mask: Bool[Array, "B #T S"], extent: Int[Array, ""]) -> Float[Array, "B T H E"]:
+    """Attention of ``q`` over layer ``layer`` of the cache, reading only what holds the first
+    ``extent`` slots: leading widths for one query row, key blocks for more (module docstring).
+    Arguments, result and contract as ``block_attention``."""
+    if q.shape[1] == 1:
+        return by_key_width(k.shape[3], extent, functools.partial(_leading_attention, layer), q, k, v, mask)
+    return block_attention(q, k, v, layer, mask, extent)
 
 
 def block_attention(q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"], v: Float[Array, "L B K S E"],

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from treespark_jax.config import ModelConfig
-from treespark_jax.models.block_attention import block_attention
+from treespark_jax.models.block_attention import cache_attention
 from treespark_jax.models.kv_cache import KVCache, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import lm_logits, rms_norm
@@ -105,10 +105,10 @@ class Decoder(nnx.Module):
         The new keys/values are written at slots ``cache.lengths[b] + t`` before attention, so
         ``mask[b, t, s]`` addresses those slots too (a new row attends to itself through its own
         slot). Slots beyond the capacity are dropped: callers check capacity up front.
-        Attention reads the cache in blocks of ``block_attention.KEY_BLOCK`` slots up to
-        ``max(lengths) + T`` (``models/block_attention.py``), so its cost follows the longest row's
-        committed length, not the capacity; the mask must be False from slot ``max(lengths) + T``
-        on (nothing is stored there).
+        Attention reads only the part of the cache that holds ``max(lengths) + T`` slots (key
+        blocks, or for one row the leading power-of-two width: ``models/block_attention.py``), so
+        its cost follows the longest row's committed length, not the capacity; the mask must be
+        False from slot ``max(lengths) + T`` on (nothing is stored there).
 
         Args:
           tokens: ``[B, T]`` int32 token ids.
@@ -140,7 +140,7 @@ class Decoder(nnx.Module):
             k, v = key_value_heads(p, cfg, h, positions)
             k_all = write_slots(k_all, li, slots, k)
             v_all = write_slots(v_all, li, slots, v)
-            attn = block_attention(q, k_all, v_all, li, mask, extent)
+            attn = cache_attention(q, k_all, v_all, li, mask, extent)
             x = finish_layer(p, cfg, x, attn)
             if li in layer_ids:
                 chosen[li] = x
