@@ -14,22 +14,16 @@ from flax import nnx
 from treespark_jax.decode.ar import decode_mask
 from treespark_jax.models import block_attention as blocks
 from treespark_jax.models.block_attention import block_attention, cache_attention
-from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.models.layers import attention
 
+import tiny
 from tiny import tiny_decoder
 
 CAPACITY = 1152  # 4.5 blocks of 256: the last block is clamped inside the cache
 
 
 def random_cache(cfg, lengths, seed, poison_from=None):
-    """A cache whose every slot holds random keys/values; slots ≥ ``poison_from`` hold NaN values."""
-    rng = np.random.default_rng(seed)
-    shape = (cfg.n_layers, len(lengths), cfg.n_kv_heads, CAPACITY, cfg.head_dim)
-    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
-    if poison_from is not None:
-        v[:, :, :, poison_from:] = np.nan
-    return KVCache(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32))
+    return tiny.random_cache(cfg, lengths, seed, CAPACITY, poison_from)
 
 
 def dense(monkeypatch):

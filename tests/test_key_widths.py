@@ -14,8 +14,9 @@ from flax import nnx
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.config import DrafterConfig
 from treespark_jax.models import kv_cache
-from treespark_jax.models.kv_cache import KVCache, key_widths
+from treespark_jax.models.kv_cache import key_widths
 
+import tiny
 from tiny import tiny_decoder
 
 CAPACITY = 1152  # key widths 256, 512, 1024, 1152
@@ -27,13 +28,7 @@ def test_key_widths_are_powers_of_two_from_the_minimum_then_the_capacity():
 
 
 def random_cache(cfg, lengths, seed, poison_from=None):
-    """A cache whose every slot holds random keys/values; slots ≥ ``poison_from`` hold NaN values."""
-    rng = np.random.default_rng(seed)
-    shape = (cfg.n_layers, len(lengths), cfg.n_kv_heads, CAPACITY, cfg.head_dim)
-    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
-    if poison_from is not None:
-        v[:, :, :, poison_from:] = np.nan
-    return KVCache(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32))
+    return tiny.random_cache(cfg, lengths, seed, CAPACITY, poison_from)
 
 
 def dense(monkeypatch):
