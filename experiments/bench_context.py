@@ -1,28 +1,38 @@
-"""Target call latency against committed context: attention over the capacity against attention
-over the leading key width (``models/kv_cache.by_key_width``), side by side in one process.
+"""Target call latency against committed context: attention over the leading power-of-two key
+width (the behaviour before commit f7b5b9d), over the committed key blocks, and the library's
+choice between them (``models/block_attention.py``), side by side in one process.
 
 Every call runs in one cache of the same capacity (room for the longest context and the most
 rows, as one request's cache), at batch 1, donated and written in place as in a decode loop
-(``bench/profile.forward_call``):
+(``bench/profile.forward_call``). Modes (``--modes``):
 
-- ``capacity``: attention over every slot of the cache, the behaviour before key widths (traced
-  with ``kv_cache.MIN_KEY_WIDTH`` above the capacity, so the capacity is the only width);
+- ``capacity``: attention over every slot of the cache (the behaviour before commit 1a25f06);
 - ``key width``: attention over the smallest power-of-two width (from 256) that holds the
-  committed context and the new rows.
+  committed context and the new rows, sliced out of the cache (``kv_cache.by_key_width`` over
+  ``layers.attention``, one ``lax.switch`` per layer);
+- ``key blocks``: blocks of ``block_attention.KEY_BLOCK`` slots up to the committed context and
+  the new rows, online softmax, for every call; ``key blocks@N`` with blocks of ``N`` slots;
+- ``library``: ``block_attention.cache_attention``, what the decoder runs: leading widths for one
+  row, key blocks for more.
 
 Rows 1 is the one-row decode step, rows 9 the verify call of an 8-node tree. Calls are timed in
-interleaved sweeps (``bench/profile.interleaved_seconds``), medians reported, with each cell's
-ratio to the same mode's cell at the smallest context.
+interleaved sweeps (``bench/profile.interleaved_seconds``); the table gives each cell's median
+and minimum wall milliseconds, with the ratio of the median to the same mode's cell at the
+smallest context. On a shared machine the minimum is the steadier of the two.
 
 Usage:
   python experiments/bench_context.py [--preset smollm2-135m] [--contexts 64,256,1024,2048]
-      [--rows 1,9] [--repeats 7] [--json-out experiments/results/bench_context.json]
+      [--rows 1,9] [--modes "key width,library"] [--repeats 7]
+      [--json-out experiments/results/bench_context.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
+import re
 from pathlib import Path
 
 import jax
@@ -31,8 +41,52 @@ import numpy as np
 from treespark_jax.bench.profile import forward_call, forward_program, interleaved_seconds
 from treespark_jax.cli.common import comma_list
 from treespark_jax.decode.buckets import cache_capacity
-from treespark_jax.models import kv_cache
+from treespark_jax.models import block_attention, decoder, kv_cache
+from treespark_jax.models.layers import attention
 from treespark_jax.models.load import load_target
+
+MODES = ("capacity", "key width", "key blocks", "library")
+
+
+def leading_width(min_width: int):
+    """``cache_attention``'s signature over the leading power-of-two width from ``min_width``
+    (a ``min_width`` above the capacity: the whole capacity)."""
+    def over(layer, width, q, k, v, mask):
+        return attention(q, k[layer, :, :, :width], v[layer, :, :, :width], mask[:, :, :width])
+
+    def call(q, k, v, layer, mask, extent):
+        saved, kv_cache.MIN_KEY_WIDTH = kv_cache.MIN_KEY_WIDTH, min_width
+        try:
+            return kv_cache.by_key_width(k.shape[3], extent, functools.partial(over, layer), q, k, v, mask)
+        finally:
+            kv_cache.MIN_KEY_WIDTH = saved
+
+    return call
+
+
+def key_blocks(size: int):
+    """``block_attention`` traced with blocks of ``size`` slots."""
+    def call(*args):
+        saved, block_attention.KEY_BLOCK = block_attention.KEY_BLOCK, size
+        try:
+            return block_attention.block_attention(*args)
+        finally:
+            block_attention.KEY_BLOCK = saved
+
+    return call
+
+
+def variant(mode: str, capacity: int):
+    """The attention function of ``mode`` (see the module docstring)."""
+    if mode == "capacity":
+        return leading_width(10 * capacity)
+    if mode == "key width":
+        return leading_width(kv_cache.MIN_KEY_WIDTH)
+    if mode == "key blocks":
+        return block_attention.block_attention
+    if mode == "library":
+        return block_attention.cache_attention
+    return key_blocks(int(mode.removeprefix("key blocks@")))
 
 
 def main() -> None:
@@ -40,37 +94,46 @@ def main() -> None:
     parser.add_argument("--preset", default="smollm2-135m")
     parser.add_argument("--contexts", default="64,256,1024,2048", type=lambda t: comma_list("--contexts", t, int))
     parser.add_argument("--rows", default="1,9", type=lambda t: comma_list("--rows", t, int))
+    parser.add_argument("--modes", default="key width,library", type=lambda t: comma_list("--modes", t, str))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json-out", default="experiments/results/bench_context.json")
     args = parser.parse_args()
+    if unknown := [m for m in args.modes if m not in MODES and not re.fullmatch(r"key blocks@[1-9][0-9]*", m)]:
+        parser.error(f"--modes {', '.join(unknown)}: choose from {', '.join(MODES)} or 'key blocks@N'.")
 
     model = load_target(args.preset).model
     capacity = cache_capacity(args.contexts[-1], 0, args.rows[-1])
     cells = [(c, r) for c in args.contexts for r in args.rows]
-    dense_program = forward_program()
-    dense = [forward_call(model, r, c, capacity, program=dense_program) for c, r in cells]
-    minimum = kv_cache.MIN_KEY_WIDTH
-    kv_cache.MIN_KEY_WIDTH = 10 * capacity  # trace the baseline with the capacity as its only width
-    for call in dense:
-        jax.block_until_ready(call())
-    kv_cache.MIN_KEY_WIDTH = minimum
-    cut = [forward_call(model, r, c, capacity) for c, r in cells]
-    ms = 1e3 * np.median(interleaved_seconds(dense + cut, args.repeats, progress=True), axis=1)
-    modes = {"capacity": ms[:len(cells)], "key width": ms[len(cells):]}
+    library = decoder.cache_attention
+    calls = []
+    for mode in args.modes:  # each mode traced (by its first call) with its own attention
+        decoder.cache_attention = variant(mode, capacity)
+        program = forward_program()
+        calls += [forward_call(model, r, c, capacity, program=program) for c, r in cells]
+        for call in calls[-len(cells):]:
+            jax.block_until_ready(call())
+    decoder.cache_attention = library
+    seconds = interleaved_seconds(calls, args.repeats, progress=True)
+    median, minimum = 1e3 * np.median(seconds, axis=1), 1e3 * np.min(seconds, axis=1)
 
     rows = []
-    for mode, times in modes.items():
-        for (c, r), t in zip(cells, times):
-            base = times[cells.index((args.contexts[0], r))]
-            rows.append({"mode": mode, "context": c, "rows": r, "ms": float(t), "vs_smallest_context": float(t / base)})
+    for m, mode in enumerate(args.modes):
+        span = slice(m * len(cells), (m + 1) * len(cells))
+        for (c, r), med, low in zip(cells, median[span], minimum[span]):
+            base = median[span][cells.index((args.contexts[0], r))]
+            low_base = minimum[span][cells.index((args.contexts[0], r))]
+            rows.append({"mode": mode, "context": c, "rows": r, "ms": float(med), "min_ms": float(low),
+                         "vs_smallest_context": float(med / base), "min_vs_smallest_context": float(low / low_base)})
+    load = os.getloadavg()
     print(f"{args.preset} float32 on {jax.devices()[0].device_kind}, batch 1, cache capacity {capacity}, "
-          f"{args.repeats} interleaved repeats: median ms (× the smallest context)")
-    print(f"{'rows':>5} {'context':>8} " + "".join(f"{m:>20}" for m in modes))
+          f"{args.repeats} interleaved repeats, load average {load[0]:.2f}: median / min ms "
+          "(median, min × the smallest context)")
+    print(f"{'rows':>5} {'context':>8} " + "".join(f"{m:>32}" for m in args.modes))
     for c, r in sorted(cells, key=lambda cell: (cell[1], cell[0])):
-        cells_text = "".join(f"{x['ms']:>12.1f} ({x['vs_smallest_context']:.2f}×)" for x in rows
-                             if x["context"] == c and x["rows"] == r)
-        print(f"{r:>5} {c:>8} {cells_text}")
-    out = {"preset": args.preset, "capacity": capacity, "repeats": args.repeats,
+        text = "".join(f"{x['ms']:>11.1f} /{x['min_ms']:6.1f} ({x['vs_smallest_context']:.2f}, "
+                       f"{x['min_vs_smallest_context']:.2f}×)" for x in rows if x["context"] == c and x["rows"] == r)
+        print(f"{r:>5} {c:>8} {text}")
+    out = {"preset": args.preset, "capacity": capacity, "repeats": args.repeats, "load_average": load,
            "device": jax.devices()[0].device_kind, "rows": rows}
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps(out, indent=2))

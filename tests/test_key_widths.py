@@ -1,22 +1,22 @@
-"""Attention over the leading key width that holds the committed rows, not the whole capacity.
+"""The block drafter attends over the leading key width of its context that holds the committed
+rows, not the whole capacity (the target reads key blocks: ``test_block_attention.py``).
 
 Slots past a call's width get NaN values: dense attention over them turns the output NaN
 (probability 0 times NaN), so a finite output shows those slots were never read, and equality
 with the dense call on a clean cache shows nothing else changed.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from treespark_jax.decode.ar import decode_mask
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.config import DrafterConfig
 from treespark_jax.models import kv_cache
-from treespark_jax.models.kv_cache import KVCache, key_widths
+from treespark_jax.models.kv_cache import key_widths
 
+import tiny
 from tiny import tiny_decoder
 
 CAPACITY = 1152  # key widths 256, 512, 1024, 1152
@@ -28,54 +28,12 @@ def test_key_widths_are_powers_of_two_from_the_minimum_then_the_capacity():
 
 
 def random_cache(cfg, lengths, seed, poison_from=None):
-    """A cache whose every slot holds random keys/values; slots ≥ ``poison_from`` hold NaN values."""
-    rng = np.random.default_rng(seed)
-    shape = (cfg.n_layers, len(lengths), cfg.n_kv_heads, CAPACITY, cfg.head_dim)
-    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
-    if poison_from is not None:
-        v[:, :, :, poison_from:] = np.nan
-    return KVCache(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32))
+    return tiny.random_cache(cfg, lengths, seed, CAPACITY, poison_from)
 
 
 def dense(monkeypatch):
     """Makes every call attend over the whole capacity (one width)."""
     monkeypatch.setattr(kv_cache, "MIN_KEY_WIDTH", 10 * CAPACITY)
-
-
-# (committed lengths, the width a 3-row call needs)
-CASES = [((10, 40), 256), ((10, 300), 512), ((700, 5), 1024)]
-
-
-@pytest.mark.parametrize("lengths, width", CASES)
-def test_decoder_reads_only_the_leading_width_and_equals_dense_attention(x64, monkeypatch, lengths, width):
-    model = tiny_decoder("qwen3", seed=3)
-    t = 3
-    tokens = jnp.asarray([[5, 6, 7], [8, 9, 10]])
-    lens = jnp.asarray(lengths, jnp.int32)
-    positions = lens[:, None] + jnp.arange(t)[None, :]
-    mask = decode_mask(lens, CAPACITY) | (jnp.arange(CAPACITY)[None, None, :] < lens[:, None, None] + t)
-    cut = model(tokens, positions, mask, random_cache(model.cfg, lengths, 0, poison_from=width)).hidden
-    assert np.isfinite(np.asarray(cut)).all()
-    dense(monkeypatch)
-    assert np.isnan(np.asarray(model(tokens, positions, mask,
-                                     random_cache(model.cfg, lengths, 0, poison_from=width)).hidden)).all()
-    full = model(tokens, positions, mask, random_cache(model.cfg, lengths, 0)).hidden
-    np.testing.assert_allclose(cut, full, rtol=1e-12, atol=1e-12)
-
-
-def test_one_decoder_program_serves_every_width(x64):
-    model = tiny_decoder("llama", seed=4)
-    graphdef, weights = nnx.split(model)
-
-    @jax.jit
-    def step(weights, tokens, cache):
-        m = nnx.merge(graphdef, weights)
-        return m(tokens, cache.lengths[:, None], decode_mask(cache.lengths, CAPACITY), cache).hidden
-
-    for lengths, width in CASES:
-        out = step(weights, jnp.asarray([[1], [2]]), random_cache(model.cfg, lengths, 1, poison_from=width))
-        assert np.isfinite(np.asarray(out)).all()
-    assert step._cache_size() == 1
 
 
 @pytest.mark.parametrize("lengths, width", [((10, 200), 256), ((600, 3), 1024)])

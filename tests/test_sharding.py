@@ -172,7 +172,8 @@ MULTIDEVICE_SCRIPT = textwrap.dedent("""
     report["wq_shard"] = list(wq.addressable_shards[0].data.shape)
 
     # One program per maximum budget under sharding, whatever the generation length. 300 tokens
-    # pass key widths 256 and 512 of a 640-slot cache (kv_cache.by_key_width) inside that program.
+    # fill one, then two key blocks of a 640-slot cache (models/block_attention.py; the drafter's
+    # key widths 256 and 512) inside that program.
     engine.generate([[3, 1, 4]], 300, spec=spec)
     long_ids, long_stats = engine.generate([[2, 7, 1, 8, 2]], 300, spec=spec)
     report["long"] = [len(long_ids[0]), long_stats.compiles]

@@ -10,6 +10,7 @@ import numpy as np
 
 from treespark_jax.config import ModelConfig
 from treespark_jax.models.decoder import Decoder
+from treespark_jax.models.kv_cache import KVCache
 
 # Repetitive prompts give prompt lookup real matches; the tiny model also falls into loops.
 SPEC_PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 9, 4, 4]]
@@ -100,3 +101,14 @@ def write_tiny_hf_target(path: Path, *, layers: int, d: int, mlp: int, head_dim:
             tensors[f"model.layers.{i}.{HF_LAYER_NAMES[name]}.weight"] = value
     save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(path / "model.safetensors"))
     return path
+
+
+def random_cache(cfg: ModelConfig, lengths, seed: int, capacity: int, poison_from: int | None = None) -> KVCache:
+    """A float64 cache of ``capacity`` slots per row whose every slot holds random keys/values;
+    slots ≥ ``poison_from`` hold NaN values (a read of them turns an attention output NaN)."""
+    rng = np.random.default_rng(seed)
+    shape = (cfg.n_layers, len(lengths), cfg.n_kv_heads, capacity, cfg.head_dim)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    if poison_from is not None:
+        v[:, :, :, poison_from:] = np.nan
+    return KVCache(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray(lengths, jnp.int32))

@@ -6,9 +6,9 @@ forward + tree build + context update) per context length. Between grid points i
 linear interpolation; outside the grid it is flat below the first point and continues the last
 segment's slope above the last one (costs keep growing with more rows or a longer context).
 
-**Context** here means the committed tokens of the longest row in the batch. Attention reads
-the leading power-of-two width of the KV cache that holds them and the round's new rows
-(``models/kv_cache.by_key_width``), so a round pays for what has been committed, not the cache
+**Context** here means the committed tokens of the longest row in the batch. The target's
+attention reads the KV cache's blocks of 256 slots that hold them and the round's new rows
+(``models/block_attention.py``), so a round pays for what has been committed, not the cache
 capacity. The profiler measures every context in one cache with room for the longest, and the
 round asks for ``max(lengths)``, a traced scalar: ``verify_cost`` and ``draft_cost`` read it by
 interpolation, so one compiled program still serves every context.

@@ -8,17 +8,16 @@ boolean mask, which is all tree verification needs.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from treespark_jax.config import ModelConfig
-from treespark_jax.models.kv_cache import KVCache, by_key_width, write_slots
+from treespark_jax.models.block_attention import cache_attention
+from treespark_jax.models.kv_cache import KVCache, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
-from treespark_jax.models.layers import attention, lm_logits, rms_norm
+from treespark_jax.models.layers import lm_logits, rms_norm
 from treespark_jax.models.weights import check_weights, expected_shapes
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Bool, Float, Int
@@ -44,12 +43,6 @@ class DecoderOutput:
     hidden: Float[Array, "B T D"]
     features: Float[Array, "B T X"] | None
     cache: KVCache
-
-
-def _leading_attention(layer: int, width: int, q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"],
-                       v: Float[Array, "L B K S E"], mask: Bool[Array, "B #T S"]) -> Float[Array, "B T H E"]:
-    """Attention of ``q`` over layer ``layer``'s first ``width`` cache slots."""
-    return attention(q, k[layer, :, :, :width], v[layer, :, :, :width], mask[:, :, :width])
 
 
 class DecoderLayer(nnx.Module):
@@ -112,10 +105,10 @@ class Decoder(nnx.Module):
         The new keys/values are written at slots ``cache.lengths[b] + t`` before attention, so
         ``mask[b, t, s]`` addresses those slots too (a new row attends to itself through its own
         slot). Slots beyond the capacity are dropped: callers check capacity up front.
-        Attention runs over the leading slots of the first ``key_widths(S)`` width that holds
-        ``max(lengths) + T`` (``by_key_width``), so its cost follows the longest row's committed
-        length, not the capacity; the mask must be False from slot ``max(lengths) + T`` on
-        (nothing is stored there).
+        Attention reads only the part of the cache that holds ``max(lengths) + T`` slots (key
+        blocks, or for one row the leading power-of-two width: ``models/block_attention.py``), so
+        its cost follows the longest row's committed length, not the capacity; the mask must be
+        False from slot ``max(lengths) + T`` on (nothing is stored there).
 
         Args:
           tokens: ``[B, T]`` int32 token ids.
@@ -147,7 +140,7 @@ class Decoder(nnx.Module):
             k, v = key_value_heads(p, cfg, h, positions)
             k_all = write_slots(k_all, li, slots, k)
             v_all = write_slots(v_all, li, slots, v)
-            attn = by_key_width(cache.capacity, extent, functools.partial(_leading_attention, li), q, k_all, v_all, mask)
+            attn = cache_attention(q, k_all, v_all, li, mask, extent)
             x = finish_layer(p, cfg, x, attn)
             if li in layer_ids:
                 chosen[li] = x

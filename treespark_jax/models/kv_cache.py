@@ -71,7 +71,9 @@ def by_key_width(capacity: int, extent: Int[Array, ""], fn: Callable[..., T], *o
     """``fn(w, *operands)`` for ``w`` the smallest of ``key_widths(capacity)`` holding ``extent``
     slots: attention over ``w`` leading slots costs what the rows have committed, rounded up to a
     power of two, rather than the capacity. One branch per width (``lax.switch``), all in one
-    program; the traced ``extent`` picks the branch.
+    program; the traced ``extent`` picks the branch. The block drafter reads its context cache
+    this way (its block's own keys are not in that cache); the target reads key blocks instead
+    (``models/block_attention.py``).
 
     Args:
       capacity: the cache's static slot count ``S``.
