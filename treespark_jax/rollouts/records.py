@@ -60,7 +60,7 @@ from flax import serialization
 from treespark_jax.config import TREE_RULES
 
 __all__ = ["FEATURE_DTYPE", "RECORD_FIELDS", "RolloutError", "STORED_KEYS", "StoredTrees", "decode_record",
-           "encode_record", "make_record"]
+           "encode_record", "first_normalised_row", "make_record"]
 
 FEATURE_DTYPE = np.dtype(ml_dtypes.bfloat16)
 RECORD_FIELDS = ("tokens", "loss_mask", "features", "hidden", "target_lse", "target_top", "prompt_set",
@@ -139,6 +139,16 @@ class StoredTrees:
         inside = acc & (at < len(tokens))
         if np.any(t["tokens"][inside] != tokens[at[inside]]):
             raise RolloutError("an accepted tree node's token differs from the committed token at its position.")
+
+
+def first_normalised_row(prompt_len):
+    """The first row whose ``target_lse``/``target_top`` a record stores: the last prompt token, the
+    first row a response label is predicted from. Rows before it hold 0 and -1 (no loss reads them).
+
+    Args:
+      prompt_len: prompt tokens (an int, or an integer array of them: traceable).
+    """
+    return prompt_len - 1
 
 
 def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_top, *, prompt_set: str,

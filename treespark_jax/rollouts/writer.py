@@ -50,7 +50,7 @@ from treespark_jax.models.decoder import Decoder
 from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.sets import PromptRecord
 from treespark_jax.rollouts.features import causal_features
-from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, make_record
+from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, first_normalised_row, make_record
 from treespark_jax.rollouts.store import RolloutWriter
 
 __all__ = ["RolloutRun", "RolloutSettings", "on_policy_generation", "prompt_seed", "record_arrays",
@@ -181,28 +181,27 @@ def record_arrays(model: Decoder, sequences: Sequence[Sequence[int] | np.ndarray
     rollout record (``make_record``), from one forward (``target_features``) and the LM head
     (``record_normalisers`` from each last prompt position)."""
     feats = target_features(model, sequences, layer_ids)
-    norms = record_normalisers(TargetHead.of(model, model.dtype), [h for _, h in feats],
-                               [n - 1 for n in prompt_lens])
+    norms = record_normalisers(TargetHead.of(model, model.dtype), [h for _, h in feats], prompt_lens)
     return [(*f, *n) for f, n in zip(feats, norms)]
 
 
-def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], starts: Sequence[int]
+def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], prompt_lens: Sequence[int]
                        ) -> list[tuple[np.ndarray, np.ndarray]]:
     """The ``target_lse`` and ``target_top`` fields of records from their stored hidden states.
 
-    Rows before ``starts[i]`` hold 0 (lse) and -1 (top): a writer passes the last prompt
-    position, the first row a response label is predicted from, and skips the LM head over the
-    rest of the prompt (training never reads those rows as targets). All rows of all records go
-    through ``target_normalisers`` together.
+    Rows before ``records.first_normalised_row`` (the last prompt position) hold 0 (lse) and -1
+    (top): the LM head skips the rest of the prompt (training never reads those rows as targets).
+    All rows of all records go through ``target_normalisers`` together.
 
     Args:
       head: the target's whole LM head.
       hidden: per record ``[T_i, D]`` bfloat16 final-norm hidden states.
-      starts: per record, the first row to compute (``0 ≤ starts[i] < T_i``).
+      prompt_lens: per record, its prompt tokens (``1 ≤ prompt_lens[i] ≤ T_i``).
 
     Returns:
       Per record ``(lse [T_i] float32, top [T_i] int32)``.
     """
+    starts = [first_normalised_row(n) for n in prompt_lens]
     lse, top = target_normalisers(head, np.concatenate([h[s:] for h, s in zip(hidden, starts)]))
     out, at = [], 0
     for h, s in zip(hidden, starts):
@@ -340,7 +339,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                 t1 = time.perf_counter()
                 if feats is None:  # a second pass: the speculative loop does not log every row's features
                     feats = target_features(target.model, [p + o for p, o in zip(ids, outs)], layer_ids)
-                norms = record_normalisers(head, [h for _, h in feats], [len(p) - 1 for p in ids])
+                norms = record_normalisers(head, [h for _, h in feats], [len(p) for p in ids])
                 t2 = time.perf_counter()
                 records = [make_record(p + o, len(p), f, h, lse, top, prompt_set=rec.set, prompt_id=rec.id, seed=s,
                                        temperature=settings.temperature, top_p=settings.top_p,

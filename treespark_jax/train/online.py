@@ -39,6 +39,7 @@ from treespark_jax.drafter.model import TargetHead
 from treespark_jax.mesh import batch_sharding, replicated
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.rollouts.features import causal_features
+from treespark_jax.rollouts.records import first_normalised_row
 from treespark_jax.train.batches import TokenBatch, TrainBatch
 from treespark_jax.train.step import TrainStep
 
@@ -64,7 +65,7 @@ def target_batch(target: Decoder, head: TargetHead, batch: TokenBatch, layer_ids
     t = jnp.arange(batch.tokens.shape[1])[None, :]
     real = t < batch.lengths[:, None]
     first = jnp.where(jnp.any(batch.loss_mask, axis=1), jnp.argmax(batch.loss_mask, axis=1), batch.tokens.shape[1])
-    stored = real & (t >= first[:, None] - 1)  # rows whose normaliser a record stores
+    stored = real & (t >= first_normalised_row(first)[:, None])  # rows whose normaliser a record stores
     lse = jnp.where(stored, lse, 0).astype(jnp.float32)
     top = jnp.where(stored, top, jnp.where(real, -1, 0)).astype(jnp.int32)
     features = jnp.where(real[..., None], features.astype(jnp.float32), 0)
