@@ -263,8 +263,11 @@ def test_online_decoding_refuses_bad_input_in_one_sentence(tmp_path, capsys, tin
         (["--prompts", "nosuchset"], ("nosuchset", "gsm8k")),
         (["--prompts", str(tmp_path / "none.jsonl")], ("none.jsonl", "does not exist")),
         (["--init", str(foreign)], ("trained for target",)),
-        (["--prompts", str(rollouts)], ("treespark", "rollout directories")),
+        (["--prompts", str(rollouts)], ("rollout directories",)),  # (TINY_ARGS set the decode: that is named)
         (["--max-new-tokens", "600"], ("--max-new-tokens 600", "context of 512")),
+        (["--temperature", "inf"], ("--temperature inf", "finite")),
+        # Online decoding flags without a prompt set or file: refused, not ignored.
+        (["--prompts", str(rollouts), "--loss", "dspark"], ("--tree-", "sets the online decode", "--prompts")),
     ]
     for args, words in cases:
         argv = [*base, "--target", str(tiny_dir), *args]

@@ -385,8 +385,8 @@ class OnPolicyConfig:
                            ("max_new_tokens", "--max-new-tokens")):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{flag} {getattr(self, name)} must be at least 1.")
-        if not self.temperature >= 0:
-            raise ValueError(f"--temperature {self.temperature} must be 0 (greedy) or positive.")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"--temperature {self.temperature} must be 0 (greedy) or a positive finite number.")
 
     def decode_method(self, loss: str) -> str:
         """The decode's method for a drafter trained with ``loss`` (``method`` or its default)."""

@@ -45,19 +45,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     og = tr.add_argument_group("online decoding (--online --prompts SET|FILE)")
     og.add_argument("--split", default=None, choices=("train", "eval", "all"),
                     help="split of a prompt set (default train); a JSONL file is used whole")
-    og.add_argument("--tree-interval", type=int, default=op.interval, metavar="K",
-                    help="steps between decodes with the current drafter (step 0 decodes first)")
-    og.add_argument("--tree-buffer", type=int, default=op.buffer, metavar="SEQS",
-                    help="decoded sequences kept (FIFO, host memory; saved with every checkpoint)")
-    og.add_argument("--decode-prompts", type=int, default=op.decode_prompts, metavar="N",
-                    help="prompts per decode (one generation batch)")
-    og.add_argument("--tree-method", default=None, choices=DRAFTER_METHODS,
+    # Defaults None: a value given without a prompt set or file is refused (on_policy_config).
+    og.add_argument("--tree-interval", type=int, metavar="K",
+                    help=f"steps between decodes with the current drafter (step 0 decodes first; default "
+                         f"{op.interval})")
+    og.add_argument("--tree-buffer", type=int, metavar="SEQS",
+                    help=f"decoded sequences kept (FIFO, host memory; saved with every checkpoint; default "
+                         f"{op.buffer})")
+    og.add_argument("--decode-prompts", type=int, metavar="N",
+                    help=f"prompts per decode (one generation batch; default {op.decode_prompts})")
+    og.add_argument("--tree-method", choices=DRAFTER_METHODS,
                     help="speculative method of the decode (default dflash for the dflash loss, else pctree)")
-    og.add_argument("--tree-budget", type=int, default=op.budget, metavar="N", help="tree budget N of the decode")
-    og.add_argument("--max-new-tokens", type=int, default=op.max_new_tokens,
-                    help="cap on response tokens per decoded prompt")
-    og.add_argument("--temperature", type=float, default=op.temperature,
-                    help="decode temperature (0: greedy, trees verified with the greedy rule)")
+    og.add_argument("--tree-budget", type=int, metavar="N", help=f"tree budget N of the decode (default {op.budget})")
+    og.add_argument("--max-new-tokens", type=int,
+                    help=f"cap on response tokens per decoded prompt (default {op.max_new_tokens})")
+    og.add_argument("--temperature", type=float,
+                    help=f"decode temperature (0: greedy, trees verified with the greedy rule; default "
+                         f"{op.temperature})")
     tr.add_argument("--loss", required=True, choices=LOSSES, help="training loss (the drafter's heads follow it)")
     tr.add_argument("--out", required=True, metavar="DIR", help="run directory (one holding run.json is resumed)")
     tr.add_argument("--steps", type=int, default=d.steps, help="optimizer steps of the whole run")
@@ -122,21 +126,37 @@ def on_policy_config(args: argparse.Namespace):
     directory (a JSONL file, or a missing path the prompt loader names), else ``None`` (rollout
     directories, or offline).
 
+    The decode's method is recorded resolved (``OnPolicyConfig.decode_method``), so a resumed run
+    that names the default explicitly is the same run.
+
     Raises:
-      ValueError: a prompt set or file mixed with other ``--prompts``, or a bad online decoding value.
+      ValueError: a prompt set or file mixed with other ``--prompts``, an online decoding flag given
+        without one, or a bad online decoding value.
     """
+    import dataclasses
     from pathlib import Path
 
     from treespark_jax.config import OnPolicyConfig
 
+    given = {f: v for f, v in (("--split", args.split), ("--tree-interval", args.tree_interval),
+                               ("--tree-buffer", args.tree_buffer), ("--decode-prompts", args.decode_prompts),
+                               ("--tree-method", args.tree_method), ("--tree-budget", args.tree_budget),
+                               ("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature))
+             if v is not None}
     if not args.prompts or all(Path(p).is_dir() for p in args.prompts):
+        if given:
+            flag, value = next(iter(given.items()))
+            raise ValueError(f"{flag} {value} sets the online decode, which runs only with --online --prompts "
+                             "SET|FILE.jsonl, not on rollout directories; drop it or name a prompt set or file.")
         return None
     if len(args.prompts) > 1:
         raise ValueError(f"--prompts {' '.join(args.prompts)} mixes a prompt set or file with other values; pass "
                          "one prompt set or JSONL file, or rollout directories only.")
-    return OnPolicyConfig(prompts=args.prompts[0], split=args.split, interval=args.tree_interval,
-                          buffer=args.tree_buffer, decode_prompts=args.decode_prompts, method=args.tree_method,
-                          budget=args.tree_budget, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    fields = dict(split=args.split, interval=args.tree_interval, buffer=args.tree_buffer,
+                  decode_prompts=args.decode_prompts, method=args.tree_method, budget=args.tree_budget,
+                  max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    cfg = OnPolicyConfig(prompts=args.prompts[0], **{k: v for k, v in fields.items() if v is not None})
+    return dataclasses.replace(cfg, method=cfg.decode_method(args.loss))
 
 
 def run(args: argparse.Namespace) -> None:
