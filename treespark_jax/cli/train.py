@@ -126,37 +126,31 @@ def on_policy_config(args: argparse.Namespace):
     directory (a JSONL file, or a missing path the prompt loader names), else ``None`` (rollout
     directories, or offline).
 
-    The decode's method is recorded resolved (``OnPolicyConfig.decode_method``), so a resumed run
-    that names the default explicitly is the same run.
-
     Raises:
       ValueError: a prompt set or file mixed with other ``--prompts``, an online decoding flag given
         without one, or a bad online decoding value.
     """
-    import dataclasses
     from pathlib import Path
 
     from treespark_jax.config import OnPolicyConfig
 
-    given = {f: v for f, v in (("--split", args.split), ("--tree-interval", args.tree_interval),
-                               ("--tree-buffer", args.tree_buffer), ("--decode-prompts", args.decode_prompts),
-                               ("--tree-method", args.tree_method), ("--tree-budget", args.tree_budget),
-                               ("--max-new-tokens", args.max_new_tokens), ("--temperature", args.temperature))
-             if v is not None}
+    flags = {"split": ("--split", args.split), "interval": ("--tree-interval", args.tree_interval),
+             "buffer": ("--tree-buffer", args.tree_buffer), "decode_prompts": ("--decode-prompts", args.decode_prompts),
+             "method": ("--tree-method", args.tree_method), "budget": ("--tree-budget", args.tree_budget),
+             "max_new_tokens": ("--max-new-tokens", args.max_new_tokens),
+             "temperature": ("--temperature", args.temperature)}
+    given = {field: value for field, (_, value) in flags.items() if value is not None}
     if not args.prompts or all(Path(p).is_dir() for p in args.prompts):
         if given:
-            flag, value = next(iter(given.items()))
-            raise ValueError(f"{flag} {value} sets the online decode, which runs only with --online --prompts "
-                             "SET|FILE.jsonl, not on rollout directories; drop it or name a prompt set or file.")
+            field = next(iter(given))
+            raise ValueError(f"{flags[field][0]} {given[field]} sets the online decode, which runs only with --online "
+                             "--prompts SET|FILE.jsonl, not on rollout directories; drop it or name a prompt set or "
+                             "file.")
         return None
     if len(args.prompts) > 1:
         raise ValueError(f"--prompts {' '.join(args.prompts)} mixes a prompt set or file with other values; pass "
                          "one prompt set or JSONL file, or rollout directories only.")
-    fields = dict(split=args.split, interval=args.tree_interval, buffer=args.tree_buffer,
-                  decode_prompts=args.decode_prompts, method=args.tree_method, budget=args.tree_budget,
-                  max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    cfg = OnPolicyConfig(prompts=args.prompts[0], **{k: v for k, v in fields.items() if v is not None})
-    return dataclasses.replace(cfg, method=cfg.decode_method(args.loss))
+    return OnPolicyConfig(prompts=args.prompts[0], **given)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -278,6 +278,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     dirs = [Path(rollouts)] if isinstance(rollouts, (str, Path)) else [Path(d) for d in rollouts]
     if on_policy is not None:  # a missing set or file fails here, before the target loads
         on_policy, prompts = training_prompts(on_policy)
+        # the identity names the decode's method resolved: the default named explicitly is the same run
+        on_policy = dataclasses.replace(on_policy, method=on_policy.decode_method(loss))
         dirs, manifest = [], {"target": {"name": target}}
     elif not dirs:
         raise ValueError("no rollout directory was given.")
