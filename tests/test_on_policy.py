@@ -6,6 +6,7 @@ sentence, exit 2, nothing written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -179,6 +180,12 @@ def test_online_sequences_are_the_targets_own_answers(tiny_dir, prompt_file):
             len(e["tokens"]) - n)
     batch = source.batch(2)
     assert batch.trees is None and batch.tokens.shape == (TRAIN.batch, TRAIN.seq_len) and batch.loss_mask.any()
+    # --top-p reaches the decode: sampling at temperature 1 from a nucleus of the top token alone is greedy.
+    nucleus = OnPolicySource(target, prompts, dataclasses.replace(cfg, temperature=1.0, top_p=1e-6), TRAIN, "dspark",
+                             graphdef, None, make_mesh("data=1"))
+    nucleus.before_step(0, state["params"])
+    assert [e["tokens"][len(ids[e["prompt_id"]]):].tolist() for e in nucleus.buffer.entries] == [
+        want[e["prompt_id"]] for e in nucleus.buffer.entries]
 
 
 def test_the_buffer_is_a_bounded_fifo_whose_bytes_round_trip():
@@ -196,7 +203,7 @@ def test_the_buffer_is_a_bounded_fifo_whose_bytes_round_trip():
 
 
 TINY_ARGS = ["--seq-len", "40", "--anchors", "3", "--batch-size", "4", "--block-size", "4", "--lr", "3e-3",
-             "--warmup", "1", "--log-every", "1", "--quiet", "--trees", "2", "--tree-budget", str(BUDGET),
+             "--warmup", "1", "--log-every", "1", "--quiet", "--trees", "2", "--budget", str(BUDGET),
              "--max-new-tokens", "8", "--decode-prompts", "3", "--tree-buffer", "5"]
 
 
@@ -222,9 +229,13 @@ def test_an_online_treespark_run_resumes_exactly(tmp_path, capsys, tiny_dir, pro
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     binding = TargetBinding(**run["target"])
     assert _leaves_differ(_params(full / "drafter", binding), _params(parts / "drafter", binding)) == []
-    # Another interval is another run: refused, named.
+    # Another interval is another run: refused, named by its flag.
     assert main([*[("3" if a == "2" else a) for a in common], "--out", str(parts)]) == 2
-    assert "on_policy interval = 2, not 3" in capsys.readouterr().err
+    assert "holds a run with --tree-interval 2, not 3;" in capsys.readouterr().err
+    # A run.json written before --top-p existed records none: it meant top-p 1, the same run.
+    del run["on_policy"]["top_p"]
+    (full / "run.json").write_text(json.dumps(run))
+    assert main([*common, "--out", str(full)]) == 0 and "5 → 5 of 5" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -266,6 +277,8 @@ def test_online_decoding_refuses_bad_input_in_one_sentence(tmp_path, capsys, tin
         (["--prompts", str(rollouts)], ("rollout directories",)),  # (TINY_ARGS set the decode: that is named)
         (["--max-new-tokens", "600"], ("--max-new-tokens 600", "context of 512")),
         (["--temperature", "inf"], ("--temperature inf", "finite")),
+        (["--top-p", "0"], ("--top-p 0.0", "(0, 1]")),
+        (["--top-p", "0.9"], ("--top-p 0.9", "treespark loss", "top-p 1 only")),
         # Online decoding flags without a prompt set or file: refused, not ignored.
         (["--prompts", str(rollouts), "--loss", "dspark"], ("--tree-", "sets the online decode", "--prompts")),
     ]

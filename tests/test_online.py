@@ -269,9 +269,11 @@ def test_an_online_run_resumes_exactly(tmp_path, capsys, tiny_dir, rollouts):  #
     offline = ["train", *TRAIN_ARGS, "--loss", "dspark", "--steps", "6", "--save-every", "3", "--rollouts",
                str(rollouts), "--target", str(tiny_dir), "--out", str(parts)]
     other_loss = [*["dflash" if a == "dspark" else a for a in common], "--out", str(parts)]
-    for argv, said in ((offline, "online = True, not False"), (other_loss, "loss = 'dspark', not 'dflash'")):
+    longer = [*[("7" if a == "6" else a) for a in common], "--out", str(parts)]
+    for argv, said in ((offline, "with --online"), (other_loss, "with --loss dspark, not dflash"),
+                       (longer, "with --steps 6, not 7")):
         assert main(argv) == 2
-        assert f"holds a run with {said}; resume with the same settings" in capsys.readouterr().err
+        assert f"holds a run {said}; resume with the same settings" in capsys.readouterr().err
     a, b = _jsonl(full / "metrics.jsonl"), _jsonl(parts / "metrics.jsonl")
     assert [r["step"] for r in b] == list(range(1, 7))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]

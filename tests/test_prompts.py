@@ -328,6 +328,7 @@ def test_self_generated_prompts_give_up_after_max_rows(tiny_lm, caplog):
     (dict(n=2, batch_size=0), "batch_size=0 must be"),
     (dict(n=2, max_rows=0), "max_rows=0 must be"),
     (dict(n=2, user_prefix=3), "user_prefix=3 must be a string"),
+    (dict(n=2, user_prefix="Write code.<|im_end|>"), "holds the special token '<\\|im_end\\|>'"),
 ])
 def test_self_generated_prompts_bad_arguments(tiny_lm, unchecked, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -364,9 +364,12 @@ class OnPolicyConfig:
       budget: tree budget N of the decode (the logged trees' N).
       max_new_tokens: cap on response tokens per decoded prompt.
       temperature: decode temperature (0: greedy, trees verified with the greedy rule).
+      top_p: decode nucleus mass in ``(0, 1]``; below 1 the decode logs no trees to learn from
+        (``train.loop`` refuses it with the ``treespark`` loss, as on-policy rollouts do).
 
     Raises:
-      ValueError: a count below 1 or a negative temperature (one sentence naming it).
+      ValueError: a count below 1, a negative or infinite temperature, or a ``top_p`` outside
+        ``(0, 1]`` (one sentence naming it).
     """
 
     prompts: str = "gsm8k"
@@ -378,15 +381,18 @@ class OnPolicyConfig:
     budget: int = 16
     max_new_tokens: int = 256
     temperature: float = 0.0
+    top_p: float = 1.0
 
     def __post_init__(self):
         for name, flag in (("interval", "--tree-interval"), ("buffer", "--tree-buffer"),
-                           ("decode_prompts", "--decode-prompts"), ("budget", "--tree-budget"),
+                           ("decode_prompts", "--decode-prompts"), ("budget", "--budget"),
                            ("max_new_tokens", "--max-new-tokens")):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{flag} {getattr(self, name)} must be at least 1.")
         if not 0 <= self.temperature < float("inf"):
             raise ValueError(f"--temperature {self.temperature} must be 0 (greedy) or a positive finite number.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p {self.top_p} must be in (0, 1].")
 
     def decode_method(self, loss: str) -> str:
         """The decode's method for a drafter trained with ``loss`` (``method`` or its default)."""

@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> None:
     Raises:
       ValueError: ``--limit``, ``--max-new-tokens`` or ``--batch-size`` below 1, a negative ``--seed``,
         a ``--json-out`` that exists or whose folder does not (all before the target loads), a bad
-        ``--mesh``, a target without a chat template, or no usable user turn at all (no file is
-        written).
+        ``--mesh``, a target without a chat template, a ``--user-prefix`` holding a special token, or no
+        usable user turn at all (no file is written).
     """
     import json
     import time

@@ -16,8 +16,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d, op = TrainConfig(), OnPolicyConfig()
     tr = sub.add_parser(
         "train", help="train a block drafter on rollouts (AdamW, data parallel, resumable)",
-        description="Train a block drafter with Optax on rollout directories: several anchors per "
-                    "sequence packed in one forward, AdamW with warm-up, cosine decay and gradient "
+        description="Train a block drafter with Optax, offline on rollout directories' stored features "
+                    "(--rollouts) or online with the target in the step (--online --prompts): several "
+                    "anchors per sequence packed in one forward, AdamW with warm-up, cosine decay and gradient "
                     "clipping, on a device mesh (--mesh data=4,model=2: batch over `data`, the drafter's "
                     "heads and MLP width over `model`; default every device on `data`). Checkpoints "
                     "(model, optimizer, step, data iterator) go to OUT/checkpoints; re-running the same "
@@ -54,14 +55,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          f"{op.buffer})")
     og.add_argument("--decode-prompts", type=int, metavar="N",
                     help=f"prompts per decode (one generation batch; default {op.decode_prompts})")
-    og.add_argument("--tree-method", choices=DRAFTER_METHODS,
+    og.add_argument("--method", choices=DRAFTER_METHODS,
                     help="speculative method of the decode (default dflash for the dflash loss, else pctree)")
-    og.add_argument("--tree-budget", type=int, metavar="N", help=f"tree budget N of the decode (default {op.budget})")
+    og.add_argument("--budget", type=int, metavar="N", help=f"tree budget N of the decode (default {op.budget})")
     og.add_argument("--max-new-tokens", type=int,
                     help=f"cap on response tokens per decoded prompt (default {op.max_new_tokens})")
     og.add_argument("--temperature", type=float,
                     help=f"decode temperature (0: greedy, trees verified with the greedy rule; default "
                          f"{op.temperature})")
+    og.add_argument("--top-p", type=float,
+                    help=f"decode nucleus mass in (0, 1] (default {op.top_p}; below 1 only without tree terms: "
+                         "dflash and dspark losses)")
     tr.add_argument("--loss", required=True, choices=LOSSES, help="training loss (the drafter's heads follow it)")
     tr.add_argument("--out", required=True, metavar="DIR", help="run directory (one holding run.json is resumed)")
     tr.add_argument("--steps", type=int, default=d.steps, help="optimizer steps of the whole run")
@@ -136,9 +140,9 @@ def on_policy_config(args: argparse.Namespace):
 
     flags = {"split": ("--split", args.split), "interval": ("--tree-interval", args.tree_interval),
              "buffer": ("--tree-buffer", args.tree_buffer), "decode_prompts": ("--decode-prompts", args.decode_prompts),
-             "method": ("--tree-method", args.tree_method), "budget": ("--tree-budget", args.tree_budget),
+             "method": ("--method", args.method), "budget": ("--budget", args.budget),
              "max_new_tokens": ("--max-new-tokens", args.max_new_tokens),
-             "temperature": ("--temperature", args.temperature)}
+             "temperature": ("--temperature", args.temperature), "top_p": ("--top-p", args.top_p)}
     given = {field: value for field, (_, value) in flags.items() if value is not None}
     if not args.prompts or all(Path(p).is_dir() for p in args.prompts):
         if given:
@@ -171,7 +175,7 @@ def run(args: argparse.Namespace) -> None:
     if args.prompts and not args.online:
         raise ValueError("--prompts feeds online training; add --online, or train offline on --rollouts DIR.")
     check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2, tree_interval=1, tree_buffer=1,
-                   decode_prompts=1, tree_budget=1, max_new_tokens=1)
+                   decode_prompts=1, budget=1, max_new_tokens=1)
     on_policy = on_policy_config(args)
     cfg = TrainConfig(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,

@@ -61,7 +61,8 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       warning) if ``max_rows`` rows did not yield ``n`` distinct non-empty turns.
 
     Raises:
-      ValueError: bad arguments, or a chat template without a user-turn header.
+      ValueError: bad arguments, a ``user_prefix`` holding a special token, or a chat template
+        without a user-turn header.
     """
     from treespark_jax.decode.engine import Engine  # the decode stack is only needed here
 
@@ -76,9 +77,13 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
     engine = getattr(lm, "engine", None) or Engine(lm.model, tokenizer.stop_ids)
     if not isinstance(user_prefix, str):
         raise ValueError(f"user_prefix={user_prefix!r} must be a string.")
-    header = tokenizer.encode(user_turn_prefix(tokenizer, system) + user_prefix, add_special_tokens=False)
     special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
     special |= set(tokenizer.stop_ids)
+    marker = next((i for i in tokenizer.encode(user_prefix, add_special_tokens=False) if i in special), None)
+    if marker is not None:  # the template's own tokens would end or restructure the turn it starts
+        raise ValueError(f"user_prefix {user_prefix!r} holds the special token {tokenizer.decode([marker])!r}; a "
+                         "user turn's text cannot contain the chat template's tokens.")
+    header = tokenizer.encode(user_turn_prefix(tokenizer, system) + user_prefix, add_special_tokens=False)
 
     kept: dict[str, PromptRecord] = {}
     row = 0

@@ -85,9 +85,10 @@ __all__ = ["TrainResult", "train"]
 RUN_FILE = "run.json"
 # Bookkeeping that may change between a run and its resume (the rest must match).
 _FREE = ("save_every", "keep", "log_every")
-# What a run.json written without a key meant (offline runs record no "online"); and the keys whose
-# difference is named first, as the one the user changed (another loss changes the drafter's heads too).
-_ABSENT = {"online": False}
+# What a run.json written without a key meant (offline runs record no "online", runs before --top-p
+# no "on_policy" "top_p"); and the keys whose difference is named first, as the one the user changed
+# (another loss changes the drafter's heads too).
+_ABSENT = {"online": False, ("on_policy", "top_p"): 1.0}
 _FIRST = ("loss", "online")
 
 
@@ -142,18 +143,53 @@ def _json(obj):
     return json.loads(json.dumps(obj))  # tuples → lists, as the file holds them
 
 
+# Settings recorded under the name of the ``treespark train`` flag that sets them (``--seq-len`` for
+# ``seq_len``), those below renamed; the rest (records, target, the drafter's loss-made heads, …)
+# are not set by one flag and are named as recorded.
+_FLAGGED = {None: ("loss", "online", "init", "init_layers", "dtype", "rollouts"),
+            "train": tuple(f.name for f in dataclasses.fields(TrainConfig)),
+            "on_policy": tuple(f.name for f in dataclasses.fields(OnPolicyConfig)),
+            "drafter": ("block_size", "n_layers", "draft_vocab")}
+_RENAMED = {"batch": "batch_size", "n_layers": "drafter_layers", "interval": "tree_interval", "buffer": "tree_buffer"}
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "(default)"
+    return ",".join(str(v) for v in value) if isinstance(value, list) else str(value)
+
+
+def _different(path: Path, key: str, sub: str | None, was: Any, now: Any) -> ValueError:
+    """The refusal of a resume whose setting ``key`` (``key`` ``sub`` of a group) differs, naming
+    its flag and values as the user types them where one flag sets it."""
+    name = key if sub is None else sub
+    if key == "loss_config":
+        said, was, now = "--loss-weights", f"{sub}={was}", f"{sub}={now}"
+    elif key == "on_policy" and sub is None:  # one of the runs decodes prompts, the other reads rollout directories
+        said, was, now = "--prompts", *(v["prompts"] if v else "rollout directories" for v in (was, now))
+    elif name in _FLAGGED.get(None if sub is None else key, ()):
+        said = "--" + _RENAMED.get(name, name).replace("_", "-")
+        if isinstance(was, bool):  # a switch: given or not
+            return ValueError(f"{path.parent} holds a run {'with' if was else 'without'} {said}; resume with the "
+                              "same settings or choose another --out.")
+        was, now = _shown(was), _shown(now)
+    else:
+        said, was, now = (key if sub is None else f"{key} {sub}") + " =", repr(was), repr(now)
+    return ValueError(f"{path.parent} holds a run with {said} {was}, not {now}; resume with the same settings or "
+                      "choose another --out.")
+
+
 def _check_same_run(path: Path, identity: dict[str, Any]) -> None:
     old = json.loads(path.read_text())
     for key in sorted(set(old) | set(identity), key=lambda k: (k not in _FIRST, k)):
         was, now = old.get(key, _ABSENT.get(key)), identity.get(key, _ABSENT.get(key))
         if isinstance(was, dict) and isinstance(now, dict):
-            diff = next((k for k in sorted(set(was) | set(now)) if k not in _FREE and was.get(k) != now.get(k)), None)
-            if diff is not None:
-                raise ValueError(f"{path.parent} holds a run with {key} {diff} = {was.get(diff)!r}, not "
-                                 f"{now.get(diff)!r}; resume with the same settings or choose another --out.")
+            for sub in sorted(set(was) | set(now)):
+                before, after = (d.get(sub, _ABSENT.get((key, sub))) for d in (was, now))
+                if sub not in _FREE and before != after:
+                    raise _different(path, key, sub, before, after)
         elif was != now:
-            raise ValueError(f"{path.parent} holds a run with {key} = {was!r}, not {now!r}; resume with the "
-                             "same settings or choose another --out.")
+            raise _different(path, key, None, was, now)
 
 
 def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet | None, init: str | None,
@@ -252,8 +288,9 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         split over the ``data`` axis, an ``out`` holding a different run, or another process
         training into ``out`` (its lock, ``files.hold_lock``, is held until this returns);
         online without ``target``, or with the ``treespark`` loss on rollout directories;
-        ``on_policy`` without ``online``, on several processes, with prompts that do not exist or do not
-        fit the target's context, or a ``--draft-vocab`` to rank (no rollouts).
+        ``on_policy`` without ``online``, on several processes, at ``top_p`` below 1 for
+        ``treespark``, with prompts that do not exist or do not fit the target's context, or a
+        ``--draft-vocab`` to rank (no rollouts).
     """
     from treespark_jax.models.load import load_target
 
@@ -268,6 +305,9 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     if online and loss == "treespark" and on_policy is None:
         raise ValueError("--online --loss treespark learns from trees its drafter decodes: pass a prompt set or "
                          "JSONL file to --prompts, not rollout directories (or train offline on their --rollouts).")
+    if on_policy is not None and loss == "treespark" and on_policy.top_p < 1:
+        raise ValueError(f"--top-p {on_policy.top_p} cannot decode for the treespark loss: its trees are logged at "
+                         "top-p 1 only (the tree losses do not model the nucleus); drop --top-p or use another loss.")
     if on_policy is not None and jax.process_count() > 1:
         raise ValueError(f"--prompts {on_policy.prompts} is decoded on one process; a multi-host online run "
                          "reads rollout directories' tokens (--prompts DIR).")

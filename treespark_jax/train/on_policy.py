@@ -217,10 +217,10 @@ class OnPolicySource:
         session = self.engine.session(self.speculation(params), cfg.temperature == 0, log_trees=self.logs_trees)
         if self.logs_trees:
             settings = RolloutSettings(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                       seed=self.train_cfg.seed, batch_size=len(ids))
+                                       top_p=cfg.top_p, seed=self.train_cfg.seed, batch_size=len(ids))
             outs, trees, stats = on_policy_generation(session, self.head, ids, settings, seeds)
         else:
-            outs, stats = session.generate(ids, cfg.max_new_tokens, cfg.temperature, 1.0, seeds)
+            outs, stats = session.generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seeds)
             trees = [None] * len(ids)
         self.last_decode = {"decode_tau": stats.tau, "decode_tokens": stats.new_tokens,
                             "decode_s": stats.prefill_s + stats.decode_s}
