@@ -1,7 +1,7 @@
-"""Attention over a KV cache on this device: the leading power-of-two key width sliced out of
-the cache (the behaviour before commit f7b5b9d) against ``models/block_attention``'s key blocks,
-with ``models/layers.attention`` over arrays sized exactly to the keys (no slicing) as the floor,
-side by side in one process.
+"""Attention over a KV cache on this device: the leading key width sliced out of the cache
+(``kv_cache.key_widths``: powers of two until the commit after 3243c55) against
+``models/block_attention``'s key blocks, with ``models/layers.attention`` over arrays sized
+exactly to the keys (no slicing) as the floor, side by side in one process.
 
 Each cell runs the attention of a 30-layer SmolLM2-135M-shaped target (9 query heads, 3 kv heads,
 head width 64, float32) over random keys and values in one head-major cache ``[L, B, K, S, E]``

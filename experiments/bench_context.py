@@ -1,15 +1,18 @@
-"""Target call latency against committed context: attention over the leading power-of-two key
-width (the behaviour before commit f7b5b9d), over the committed key blocks, and the library's
-choice between them (``models/block_attention.py``), side by side in one process.
+"""Target call latency against committed context: attention over a leading key width (powers of
+two, the behaviour before commit f7b5b9d until the widths below; or the library's widths), over
+the committed key blocks, and the library's choice between them (``models/block_attention.py``),
+side by side in one process.
 
 Every call runs in one cache of the same capacity (room for the longest context and the most
 rows, as one request's cache), at batch 1, donated and written in place as in a decode loop
 (``bench/profile.forward_call``). Modes (``--modes``):
 
 - ``capacity``: attention over every slot of the cache (the behaviour before commit 1a25f06);
-- ``key width``: attention over the smallest power-of-two width (from 256) that holds the
-  committed context and the new rows, sliced out of the cache (``kv_cache.by_key_width`` over
-  ``layers.attention``, one ``lax.switch`` per layer);
+- ``key width``: attention over the smallest of ``kv_cache.key_widths`` (every 256 slots to
+  2,048, then four per octave) that holds the committed context and the new rows, sliced out of
+  the cache (``kv_cache.by_key_width`` over ``layers.attention``, one ``lax.switch`` per layer);
+- ``pow2 width``: the same over powers of two from 256 (``WIDTHS_PER_OCTAVE = 1``, the one-row
+  step's widths until the commit after 3243c55);
 - ``key blocks``: blocks of ``block_attention.KEY_BLOCK`` slots up to the committed context and
   the new rows, online softmax, for every call; ``key blocks@N`` with blocks of ``N`` slots;
 - ``library``: ``block_attention.cache_attention``, what the decoder runs: leading widths for one
@@ -22,7 +25,7 @@ smallest context. On a shared machine the minimum is the steadier of the two.
 
 Usage:
   python experiments/bench_context.py [--preset smollm2-135m] [--contexts 64,256,1024,2048]
-      [--rows 1,9] [--modes "key width,library"] [--repeats 7]
+      [--rows 1,9] [--modes "pow2 width,library"] [--repeats 7]
       [--json-out experiments/results/bench_context.json]
 """
 
@@ -45,21 +48,23 @@ from treespark_jax.models import block_attention, decoder, kv_cache
 from treespark_jax.models.layers import attention
 from treespark_jax.models.load import load_target
 
-MODES = ("capacity", "key width", "key blocks", "library")
+MODES = ("capacity", "pow2 width", "key width", "key blocks", "library")
 
 
-def leading_width(min_width: int):
-    """``cache_attention``'s signature over the leading power-of-two width from ``min_width``
-    (a ``min_width`` above the capacity: the whole capacity)."""
+def leading_width(min_width: int, per_octave: int):
+    """``cache_attention``'s signature over the leading ``kv_cache.key_widths`` width traced with
+    ``MIN_KEY_WIDTH = min_width`` (above the capacity: the whole capacity) and
+    ``WIDTHS_PER_OCTAVE = per_octave``."""
     def over(layer, width, q, k, v, mask):
         return attention(q, k[layer, :, :, :width], v[layer, :, :, :width], mask[:, :, :width])
 
     def call(q, k, v, layer, mask, extent):
-        saved, kv_cache.MIN_KEY_WIDTH = kv_cache.MIN_KEY_WIDTH, min_width
+        saved = kv_cache.MIN_KEY_WIDTH, kv_cache.WIDTHS_PER_OCTAVE
+        kv_cache.MIN_KEY_WIDTH, kv_cache.WIDTHS_PER_OCTAVE = min_width, per_octave
         try:
             return kv_cache.by_key_width(k.shape[3], extent, functools.partial(over, layer), q, k, v, mask)
         finally:
-            kv_cache.MIN_KEY_WIDTH = saved
+            kv_cache.MIN_KEY_WIDTH, kv_cache.WIDTHS_PER_OCTAVE = saved
 
     return call
 
@@ -79,9 +84,9 @@ def key_blocks(size: int):
 def variant(mode: str, capacity: int):
     """The attention function of ``mode`` (see the module docstring)."""
     if mode == "capacity":
-        return leading_width(10 * capacity)
-    if mode == "key width":
-        return leading_width(kv_cache.MIN_KEY_WIDTH)
+        return leading_width(10 * capacity, 1)
+    if mode in ("pow2 width", "key width"):
+        return leading_width(kv_cache.MIN_KEY_WIDTH, 1 if mode == "pow2 width" else kv_cache.WIDTHS_PER_OCTAVE)
     if mode == "key blocks":
         return block_attention.block_attention
     if mode == "library":
@@ -94,7 +99,7 @@ def main() -> None:
     parser.add_argument("--preset", default="smollm2-135m")
     parser.add_argument("--contexts", default="64,256,1024,2048", type=lambda t: comma_list("--contexts", t, int))
     parser.add_argument("--rows", default="1,9", type=lambda t: comma_list("--rows", t, int))
-    parser.add_argument("--modes", default="key width,library", type=lambda t: comma_list("--modes", t, str))
+    parser.add_argument("--modes", default="pow2 width,library", type=lambda t: comma_list("--modes", t, str))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json-out", default="experiments/results/bench_context.json")
     args = parser.parse_args()

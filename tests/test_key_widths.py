@@ -19,12 +19,22 @@ from treespark_jax.models.kv_cache import key_widths
 import tiny
 from tiny import tiny_decoder
 
-CAPACITY = 1152  # key widths 256, 512, 1024, 1152
+CAPACITY = 1152  # key widths 256, 512, 768, 1024, 1152
 
 
-def test_key_widths_are_powers_of_two_from_the_minimum_then_the_capacity():
+def test_key_widths_step_by_the_minimum_then_four_per_octave_then_the_capacity(monkeypatch):
     assert key_widths(128) == (128,) and key_widths(256) == (256,)
-    assert key_widths(1152) == (256, 512, 1024, 1152) and key_widths(1024) == (256, 512, 1024)
+    assert key_widths(1152) == (256, 512, 768, 1024, 1152) and key_widths(1024) == (256, 512, 768, 1024)
+    assert key_widths(5000) == (*range(256, 2049, 256), 2560, 3072, 3584, 4096, 5000)
+    for capacity in range(1, 20_000, 97):  # a width holds every extent, reading at most 255 slots or a quarter more
+        widths = key_widths(capacity)
+        assert widths[-1] == capacity and list(widths) == sorted(set(widths))
+        for extent in range(1, capacity + 1, 31):
+            width = next(w for w in widths if w >= extent)
+            assert width - extent < max(kv_cache.MIN_KEY_WIDTH, extent // 4) or width == kv_cache.MIN_KEY_WIDTH
+    # One per octave is powers of two (what commit 3243c55 and before read).
+    monkeypatch.setattr(kv_cache, "WIDTHS_PER_OCTAVE", 1)
+    assert key_widths(5000) == (256, 512, 1024, 2048, 4096, 5000)
 
 
 def random_cache(cfg, lengths, seed, poison_from=None):

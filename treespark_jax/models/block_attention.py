@@ -10,8 +10,8 @@ capacity. Two ways to read less, one program for every length either way:
   across blocks online (the running maximum and sum of Milakov & Gimelshein 2018, "Online
   normalizer calculation for softmax", as in FlashAttention, Dao et al. 2022, §3.1);
 - **leading width** (``kv_cache.by_key_width`` over ``layers.attention``, one-row calls): the
-  smallest power-of-two width from 256 that holds the extent, sliced out of the cache, one
-  ``lax.switch`` branch per width.
+  smallest of ``kv_cache.key_widths`` that holds the extent (every 256 slots up to 2,048, then
+  four per octave), sliced out of the cache, one ``lax.switch`` branch per width.
 
 On this CPU a loop iteration costs about as much as reading a block for one query row, so the
 one-row decode step stays on leading widths, while a verify call's rows amortise it: nine rows

@@ -106,7 +106,7 @@ class Decoder(nnx.Module):
         ``mask[b, t, s]`` addresses those slots too (a new row attends to itself through its own
         slot). Slots beyond the capacity are dropped: callers check capacity up front.
         Attention reads only the part of the cache that holds ``max(lengths) + T`` slots (key
-        blocks, or for one row the leading power-of-two width: ``models/block_attention.py``), so
+        blocks, or for one row the leading key width: ``models/block_attention.py``), so
         its cost follows the longest row's committed length, not the capacity; the mask must be
         False from slot ``max(lengths) + T`` on (nothing is stored there).
 

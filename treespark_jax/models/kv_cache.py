@@ -55,22 +55,27 @@ class KVCache:
 
 
 MIN_KEY_WIDTH = 256
+# Widths per octave: a call reads at most max(MIN_KEY_WIDTH, width / WIDTHS_PER_OCTAVE) slots past
+# what it needs (1: powers of two, which read up to twice it), for one ``lax.switch`` branch per width.
+WIDTHS_PER_OCTAVE = 4
 
 
 def key_widths(capacity: int) -> tuple[int, ...]:
     """The static numbers of leading slots (tokens) a call may attend over in a cache of
-    ``capacity`` slots: powers of two from ``MIN_KEY_WIDTH`` below the capacity, then the capacity."""
+    ``capacity`` slots: from ``MIN_KEY_WIDTH``, each width ``w`` followed by
+    ``w + max(MIN_KEY_WIDTH, p / WIDTHS_PER_OCTAVE)`` with ``p`` the largest power of two ≤ ``w``
+    (256, 512, 768, …, 2,048, 2,560, … for the defaults), below the capacity; then the capacity."""
     widths, w = [], MIN_KEY_WIDTH
     while w < capacity:
         widths.append(w)
-        w *= 2
+        w += max(MIN_KEY_WIDTH, (1 << (w.bit_length() - 1)) // WIDTHS_PER_OCTAVE)
     return (*widths, capacity)
 
 
 def by_key_width(capacity: int, extent: Int[Array, ""], fn: Callable[..., T], *operands) -> T:
     """``fn(w, *operands)`` for ``w`` the smallest of ``key_widths(capacity)`` holding ``extent``
-    slots: attention over ``w`` leading slots costs what the rows have committed, rounded up to a
-    power of two, rather than the capacity. One branch per width (``lax.switch``), all in one
+    slots: attention over ``w`` leading slots costs what the rows have committed, rounded up to the
+    next width, rather than the capacity. One branch per width (``lax.switch``), all in one
     program; the traced ``extent`` picks the branch. The block drafter reads its context cache
     this way (its block's own keys are not in that cache); the target reads key blocks instead
     (``models/block_attention.py``).
