@@ -20,7 +20,8 @@ import optax
 import pytest
 from flax import nnx
 
-from treespark_jax.cli import main
+from treespark_jax.cli import _parser, main
+from treespark_jax.cli.train import on_policy_config
 from treespark_jax.config import OnPolicyConfig, TrainConfig, default_layer_ids
 from treespark_jax.decode import jitted
 from treespark_jax.decode.engine import Engine
@@ -186,6 +187,16 @@ def test_online_sequences_are_the_targets_own_answers(tiny_dir, prompt_file):
     nucleus.before_step(0, state["params"])
     assert [e["tokens"][len(ids[e["prompt_id"]]):].tolist() for e in nucleus.buffer.entries] == [
         want[e["prompt_id"]] for e in nucleus.buffer.entries]
+
+
+def test_a_prompt_set_name_is_the_set_even_beside_a_directory_of_that_name(tmp_path, monkeypatch):
+    """As ``treespark rollout --prompts`` reads it; ``./gsm8k`` names the directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gsm8k").mkdir()
+    parser = _parser()
+    common = ["train", "--online", "--loss", "dspark", "--out", "out", "--preset", "smollm2-135m", "--prompts"]
+    assert on_policy_config(parser.parse_args([*common, "gsm8k"])).prompts == "gsm8k"
+    assert on_policy_config(parser.parse_args([*common, "./gsm8k"])) is None  # rollout directories
 
 
 def test_the_buffer_is_a_bounded_fifo_whose_bytes_round_trip():

@@ -126,9 +126,10 @@ def parse_loss_weights(text: str | None):
 
 
 def on_policy_config(args: argparse.Namespace):
-    """``OnPolicyConfig`` when ``--prompts`` names one prompt set or something that is not a
-    directory (a JSONL file, or a missing path the prompt loader names), else ``None`` (rollout
-    directories, or offline).
+    """``OnPolicyConfig`` when ``--prompts`` names one prompt set (even where a directory of that
+    name exists, as ``treespark rollout --prompts`` reads it: ``./gsm8k`` names the directory) or
+    something that is not a directory (a JSONL file, or a missing path the prompt loader names),
+    else ``None`` (rollout directories, or offline).
 
     Raises:
       ValueError: a prompt set or file mixed with other ``--prompts``, an online decoding flag given
@@ -137,6 +138,7 @@ def on_policy_config(args: argparse.Namespace):
     from pathlib import Path
 
     from treespark_jax.config import OnPolicyConfig
+    from treespark_jax.prompts.sets import PROMPT_SETS
 
     flags = {"split": ("--split", args.split), "interval": ("--tree-interval", args.tree_interval),
              "buffer": ("--tree-buffer", args.tree_buffer), "decode_prompts": ("--decode-prompts", args.decode_prompts),
@@ -144,7 +146,7 @@ def on_policy_config(args: argparse.Namespace):
              "max_new_tokens": ("--max-new-tokens", args.max_new_tokens),
              "temperature": ("--temperature", args.temperature), "top_p": ("--top-p", args.top_p)}
     given = {field: value for field, (_, value) in flags.items() if value is not None}
-    if not args.prompts or all(Path(p).is_dir() for p in args.prompts):
+    if not args.prompts or all(Path(p).is_dir() and p not in PROMPT_SETS for p in args.prompts):
         if given:
             field = next(iter(given))
             raise ValueError(f"{flags[field][0]} {given[field]} sets the online decode, which runs only with --online "
