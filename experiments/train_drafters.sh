@@ -32,7 +32,8 @@ SEQ=${SEQ:-384}                # tokens per sequence (prompt + response, longer 
 ANCHORS=${ANCHORS:-16}         # gold-chain blocks per sequence
 BUDGET=${BUDGET:-16}           # tree budget of the on-policy rollouts
 SETS="gsm8k humaneval mtbench"
-ONPOLICY=${ONPOLICY:-gsm8k}    # sets whose on-policy trees are logged (the others stay plain; CPU time)
+ONPOLICY=${ONPOLICY:-"gsm8k humaneval mtbench"}  # sets whose on-policy trees are logged (the others stay plain)
+TREE_SHARE=${TREE_SHARE:-0.5}  # treespark stages: share of every batch's sequences drawn from on-policy records
 SELF=${SELF:-4000}             # self-generated chat prompts (DESIGN.md §1.4)
 SELF_CODE=${SELF_CODE:-1000}   # self-generated code prompts (HumanEval has 132 training prompts; code needs more)
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary the drafters train on and draft from (most frequent training tokens)
@@ -87,7 +88,7 @@ treespark_sets() {
   self_rollouts
 }
 stage_treespark() {
-  $T train --rollouts $(treespark_sets) --loss treespark --trees 4 \
+  $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
     --init "$DATA/dspark/drafter" $TRAIN_ARGS --out "$DATA/treespark"
 }
 stage_eval() {
@@ -109,13 +110,15 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
   $T eval-drafter --drafter "$DATA/treespark/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
     --budget "$BUDGET" --json-out "$DATA/ablate-shipped/eval.json"
   # the shipped run's control: the same STEPS steps from the same start with every tree term off
-  $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --init "$DATA/dspark/drafter" $TRAIN_ARGS \
+  $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
+    --init "$DATA/dspark/drafter" $TRAIN_ARGS \
     --loss-weights "$NO_TREE_TERMS" --out "$DATA/ablate-shipped_no_tree_terms"
   $T eval-drafter --drafter "$DATA/ablate-shipped_no_tree_terms/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" \
     --method treespark --budget "$BUDGET" --json-out "$DATA/ablate-shipped_no_tree_terms/eval.json"
   for v in $ABLATIONS; do
     name=${v%%:*} w=${v#*:}
-    $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --init "$DATA/dspark/drafter" \
+    $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
+      --init "$DATA/dspark/drafter" \
       --steps "$ABLATE_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 50 --log-every 10 \
       ${w:+--loss-weights "$w"} --out "$DATA/ablate-$name"
     $T eval-drafter --drafter "$DATA/ablate-$name/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
@@ -161,7 +164,8 @@ PY
       for variant in treespark control; do
         local run="$dir/$variant-s$seed" weights=""
         [ "$variant" = control ] && weights="--loss-weights $NO_TREE_TERMS"
-        $T train --rollouts "$dir/onpolicy" $others --loss treespark --trees 4 --init "$start" --seed "$seed" \
+        $T train --rollouts "$dir/onpolicy" $others --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
+          --init "$start" --seed "$seed" \
           --steps "$ITER_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
           --log-every 10 $weights --out "$run"
         $T eval-drafter --drafter "$run/drafter" --rollouts $(plain eval) --method treespark --budget "$BUDGET" \

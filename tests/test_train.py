@@ -27,7 +27,7 @@ from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter
 from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.load import load_target
 from treespark_jax.rollouts.reader import open_rollouts
-from treespark_jax.rollouts.records import StoredTrees, make_record
+from treespark_jax.rollouts.records import RolloutError, StoredTrees, make_record
 from treespark_jax.rollouts.store import RolloutWriter
 from treespark_jax.rollouts.writer import record_arrays, tree_log
 from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
@@ -317,7 +317,7 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
     ckpts.close()
 
 
-def test_treespark_loss_trains_on_logged_trees(tmp_path, target):
+def test_treespark_loss_trains_on_logged_trees(tmp_path, capsys, target):
     """On-policy sets mixed with plain ones: plain records get empty tree slots of the same budget."""
     tree_rollouts = write_tiny_rollouts(target, tmp_path / "trees", records=8, trees=True)
     plain = write_tiny_rollouts(target, tmp_path / "plain", records=8)
@@ -329,9 +329,23 @@ def test_treespark_loss_trains_on_logged_trees(tmp_path, target):
     assert {t.tokens.shape for t in batches} == {(4, 2, budget)}
     slots = np.concatenate([t.anchor_pos.ravel() for t in batches])
     assert (slots == -1).any() and (slots >= 0).any()  # both plain and on-policy records were drawn
+    # --tree-share: a fixed fraction of every batch from the directories with trees, whatever their size.
+    big_plain = open_rollouts([write_tiny_rollouts(target, tmp_path / "plain40", records=40, seed=1), tree_rollouts])
+    shared = TrainConfig(batch=4, seq_len=40, anchors=3, trees=2, tree_share=0.25)
+    ds = train_dataset(big_plain, shared, n_trees=2, rule=rule, budget=budget)
+    with_trees = [(ds[s].trees.anchor_pos >= 0).any(axis=1) for s in range(20)]
+    assert [int(w.sum()) for w in with_trees] == [1] * 20  # uniform draws would give 8 of 48 records, 1/6
+    again = train_dataset(big_plain, shared, n_trees=2, rule=rule, budget=budget)
+    assert all(np.array_equal(ds[s].tokens, again[s].tokens) for s in range(20))  # one stream per seed
+    assert len({ds[s].tokens[w].tobytes() for s, w in enumerate(with_trees)}) == 8  # every tree record, in turn
+    with pytest.raises(RolloutError, match="none of the 8 records carry trees"):
+        train_dataset(open_rollouts(plain), shared)
     out = tmp_path / "run"
+    assert main(_cli("--rollouts", plain, "--loss", "dspark", "--out", out, "--tree-share", "0.5")) == 2
+    assert "--tree-share 0.5" in capsys.readouterr().err and not out.exists()
     assert main(_cli("--rollouts", plain, tree_rollouts, "--loss", "treespark", "--out", out, "--steps", "2",
-                     "--trees", "2")) == 0
+                     "--trees", "2", "--tree-share", "0.5")) == 0
+    assert json.loads((out / "run.json").read_text())["train"]["tree_share"] == 0.5
     row = _jsonl(out / "metrics.jsonl")[-1]
     assert row["step"] == 2 and all(np.all(np.isfinite(v)) for v in row.values())
     assert {"ce", "l1", "tree_tv", "tree_ce", "tree_coverage", "tree_edge"} <= set(row)

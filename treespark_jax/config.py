@@ -297,6 +297,10 @@ class TrainConfig:
       seq_len: T, tokens per sequence (longer rollouts are cut, shorter ones padded).
       anchors: A, gold-chain blocks per sequence, packed in one forward.
       trees: logged verified trees per sequence (``treespark`` loss only).
+      tree_share: fraction of every batch's sequences drawn from the rollout directories that
+        carry logged trees, the rest from the others (``grain.MapDataset.mix``; ``treespark``
+        loss); ``None`` draws uniformly over all records, so trees come in proportion to their
+        records.
       save_every: checkpoint interval in steps (the last step is always saved).
       keep: checkpoints kept (the newest).
       log_every: metrics interval in steps (averaged over the interval; the last step is logged).
@@ -316,6 +320,7 @@ class TrainConfig:
     seq_len: int = 1024
     anchors: int = 8
     trees: int = 4
+    tree_share: float | None = None
     save_every: int = 200
     keep: int = 3
     log_every: int = 10
@@ -328,6 +333,8 @@ class TrainConfig:
             raise ValueError(f"seq_len={self.seq_len} must be at least 2 tokens (an anchor and its label).")
         if self.trees < 0:
             raise ValueError(f"trees={self.trees} logged trees per sequence must be 0 or more.")
+        if self.tree_share is not None and not 0 < self.tree_share < 1:
+            raise ValueError(f"tree_share={self.tree_share} must lie strictly between 0 and 1 (or be None).")
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive.")

@@ -79,6 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence (longer ones are cut)")
     tr.add_argument("--anchors", type=int, default=d.anchors, help="blocks per sequence, packed in one forward")
     tr.add_argument("--trees", type=int, default=d.trees, help="logged trees per sequence (treespark loss)")
+    tr.add_argument("--tree-share", type=float, default=None, metavar="F",
+                    help="treespark loss: draw this fraction of every batch's sequences from the rollout directories "
+                         "with logged trees and the rest from the plain ones (default: uniformly over all records)")
     tr.add_argument("--block-size", type=int, default=None, help="drafter block size γ (default 8)")
     tr.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers, 1-5 (default 1)")
     tr.add_argument("--draft-vocab", type=int, default=None, metavar="K",
@@ -182,6 +185,7 @@ def run(args: argparse.Namespace) -> None:
     cfg = TrainConfig(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,
                       seed=args.seed, seq_len=args.seq_len, anchors=args.anchors, trees=args.trees,
+                      tree_share=args.tree_share,
                       save_every=args.save_every, keep=args.keep, log_every=args.log_every)
     fields = {k: v for k, v in (("block_size", args.block_size), ("n_layers", args.drafter_layers),
                                 ("draft_vocab", args.draft_vocab)) if v is not None}

@@ -41,7 +41,9 @@ class RolloutSet:
 
     ``len(rs)`` is the number of records; ``rs[i]`` the ``i``-th record (directories in the
     given order, shards in manifest order) as the dict described in
-    :mod:`~treespark_jax.rollouts.records` (read-only numpy arrays). It satisfies Grain's
+    :mod:`~treespark_jax.rollouts.records` (read-only numpy arrays). ``trees`` says whether any
+    directory holds logged trees (on-policy rollouts), ``tree_records`` (int64, ascending) which
+    records come from such directories. It satisfies Grain's
     ``RandomAccessDataSource`` protocol (``__len__``, ``__getitem__``, ``__getitems__``), so
     ``grain.MapDataset.source(rs)`` shuffles, shards per process and batches it; it pickles
     for Grain's worker processes.
@@ -99,6 +101,10 @@ class RolloutSet:
                 self._shards.append(_Shard(str(d / s["file"]), s["records"], s.get("shortest_prompt")))
         self._starts = np.cumsum([0] + [s.records for s in self._shards])
         self._source = None
+        counts = [sum(s["records"] for s in m["shards"]) for m in self.manifests]
+        self.tree_records = np.concatenate([np.arange(start, start + n, dtype=np.int64)
+                                            for start, n, m in zip(np.cumsum([0] + counts), counts, self.manifests)
+                                            if m.get("trees")] or [np.zeros(0, np.int64)])
 
     @property
     def source(self):

@@ -4,7 +4,9 @@ Pipeline (``grain.MapDataset``, random access all the way, so the position in th
 single integer)::
 
     source(RolloutSet) → shuffle(seed) → repeat()      record e of the endless stream
-                                                       (a new permutation every epoch)
+                                                       (a new permutation every epoch; with
+                                                       tree_share, mix() of two such streams:
+                                                       records with trees, and the rest)
       → map_with_index: (e, record)                     e names the record's anchor draws
       → batch(batch / processes, batch_fn=…)            one process's rows of one step
       → [process_index :: process_count]                this process's share of every step
@@ -85,6 +87,34 @@ class _MakeBatch:
         return _concat(parts)
 
 
+class _Records:
+    """The records ``indices`` of a rollout set, as a Grain data source (picklable)."""
+
+    def __init__(self, rollouts: RolloutSet, indices: np.ndarray):
+        self.rollouts, self.indices = rollouts, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.rollouts[int(self.indices[index])]
+
+
+def _records(rollouts: RolloutSet, cfg: TrainConfig) -> grain.MapDataset:
+    """The endless stream of records, every epoch a new permutation; with ``cfg.tree_share`` two
+    such streams, of the records with trees and of the rest, mixed in those proportions."""
+    if cfg.tree_share is None:
+        return grain.MapDataset.source(rollouts).shuffle(seed=cfg.seed).repeat()
+    with_trees = np.isin(np.arange(len(rollouts)), rollouts.tree_records)
+    if with_trees.all() or not with_trees.any():
+        raise RolloutError(f"tree_share={cfg.tree_share} mixes rollouts with logged trees and plain ones, but "
+                           f"{'all' if with_trees.any() else 'none'} of the {len(rollouts)} records carry trees; "
+                           "drop --tree-share or add the other kind of rollout directory.")
+    streams = [grain.MapDataset.source(_Records(rollouts, np.flatnonzero(part))).shuffle(seed=cfg.seed + k).repeat()
+               for k, part in enumerate((with_trees, ~with_trees))]
+    return grain.MapDataset.mix(streams, [cfg.tree_share, 1 - cfg.tree_share])
+
+
 def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, rule: str | None = None,
                   budget: int = 1, online: bool = False, process_index: int | None = None,
                   process_count: int | None = None) -> grain.MapDataset:
@@ -92,7 +122,7 @@ def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, r
 
     Args:
       rollouts: the records.
-      cfg: ``seed``, ``batch`` (global), ``seq_len``, ``anchors``.
+      cfg: ``seed``, ``batch`` (global), ``seq_len``, ``anchors``, ``tree_share``.
       n_trees: logged trees per sequence (0 unless the loss uses trees).
       rule: the trees' verify rule, checked per record (``None`` = no check).
       budget: N of the logged trees (the width of empty tree slots of plain records).
@@ -106,13 +136,13 @@ def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, r
 
     Raises:
       ValueError: a global batch that does not split evenly over the processes.
+      RolloutError: a ``tree_share`` with records all with trees or all without.
     """
     p = jax.process_index() if process_index is None else process_index
     n = jax.process_count() if process_count is None else process_count
     if cfg.batch % n:
         raise ValueError(f"batch {cfg.batch} does not split evenly over {n} processes.")
-    ds = grain.MapDataset.source(rollouts).shuffle(seed=cfg.seed).repeat()
-    ds = ds.map_with_index(_with_index)
+    ds = _records(rollouts, cfg).map_with_index(_with_index)
     ds = ds.batch(cfg.batch // n, drop_remainder=True, batch_fn=_MakeBatch(cfg, n_trees, rule, budget, online))
     return ds[p::n]
 

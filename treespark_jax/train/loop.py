@@ -85,10 +85,10 @@ __all__ = ["TrainResult", "train"]
 RUN_FILE = "run.json"
 # Bookkeeping that may change between a run and its resume (the rest must match).
 _FREE = ("save_every", "keep", "log_every")
-# What a run.json written without a key meant (offline runs record no "online", runs before --top-p
-# no "on_policy" "top_p"); and the keys whose difference is named first, as the one the user changed
-# (another loss changes the drafter's heads too).
-_ABSENT = {"online": False, ("on_policy", "top_p"): 1.0}
+# What a run.json written without a key meant (offline runs record no "online"; runs before --top-p
+# and --tree-share no "on_policy" "top_p" or "train" "tree_share"); and the keys whose difference is
+# named first, as the one the user changed (another loss changes the drafter's heads too).
+_ABSENT = {"online": False, ("on_policy", "top_p"): 1.0, ("train", "tree_share"): None}
 _FIRST = ("loss", "online")
 
 
@@ -305,6 +305,11 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     if online and loss == "treespark" and on_policy is None:
         raise ValueError("--online --loss treespark learns from trees its drafter decodes: pass a prompt set or "
                          "JSONL file to --prompts, not rollout directories (or train offline on their --rollouts).")
+    if cfg.tree_share is not None and (loss != "treespark" or on_policy is not None):
+        raise ValueError(f"--tree-share {cfg.tree_share} mixes rollout directories with trees and without for "
+                         "the treespark loss offline; "
+                         + ("online every decoded sequence carries trees." if on_policy is not None
+                            else f"the {loss} loss reads no trees."))
     if on_policy is not None and loss == "treespark" and on_policy.top_p < 1:
         raise ValueError(f"--top-p {on_policy.top_p} cannot decode for the treespark loss: its trees are logged at "
                          "top-p 1 only (the tree losses do not model the nucleus); drop --top-p or use another loss.")
