@@ -300,10 +300,10 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
     # Resuming a run with other settings is refused, naming the setting.
     rc = main(_cli("--rollouts", rollouts, "--loss", "dflash", "--out", trained, "--steps", "3", "--lr", "1"))
     err = capsys.readouterr().err
-    assert rc == 2 and "lr = 0.003, not 1.0" in err, err
+    assert rc == 2 and "holds a run with --lr 0.003, not 1.0;" in err, err
     rc = main(_cli("--rollouts", rollouts, "--loss", "dflash", "--out", trained, "--steps", "3", "--block-size", "8"))
     err = capsys.readouterr().err
-    assert rc == 2 and "block_size = 4, not 8" in err, err
+    assert rc == 2 and "holds a run with --block-size 4, not 8;" in err, err
     # A checkpoint restored into arrays of other shapes names the array.
     from treespark_jax.train.checkpointing import TrainCheckpoints
 
