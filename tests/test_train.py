@@ -341,8 +341,13 @@ def test_treespark_loss_trains_on_logged_trees(tmp_path, capsys, target):
     with pytest.raises(RolloutError, match="none of the 8 records carry trees"):
         train_dataset(open_rollouts(plain), shared)
     out = tmp_path / "run"
-    assert main(_cli("--rollouts", plain, "--loss", "dspark", "--out", out, "--tree-share", "0.5")) == 2
-    assert "--tree-share 0.5" in capsys.readouterr().err and not out.exists()
+    for argv, said in ((["--rollouts", plain, "--loss", "dspark"], "the dspark loss reads no trees"),
+                       (["--rollouts", tree_rollouts, "--loss", "treespark"], "all of the 8 records carry trees"),
+                       (["--rollouts", plain, tree_rollouts, "--loss", "treespark", "--tree-share", "1"],
+                        "--tree-share 1.0 must lie strictly between 0 and 1")):
+        argv = [*argv, "--out", out, "--trees", "2", *(["--tree-share", "0.5"] if "--tree-share" not in argv else [])]
+        assert main(_cli(*argv)) == 2
+        assert said in capsys.readouterr().err and not out.exists()  # refused before the run directory is made
     assert main(_cli("--rollouts", plain, tree_rollouts, "--loss", "treespark", "--out", out, "--steps", "2",
                      "--trees", "2", "--tree-share", "0.5")) == 0
     assert json.loads((out / "run.json").read_text())["train"]["tree_share"] == 0.5

@@ -33,7 +33,7 @@ from treespark_jax.rollouts.reader import RolloutSet
 from treespark_jax.rollouts.records import RolloutError
 from treespark_jax.train.batches import TokenBatch, TrainBatch, batch_from_records, token_batch
 
-__all__ = ["data_iterator", "train_dataset", "tree_layout"]
+__all__ = ["check_tree_share", "data_iterator", "train_dataset", "tree_layout"]
 
 _ANCHOR_STREAM = 1  # purpose tag of the anchor/tree draws (``default_rng([seed, tag, e])``)
 
@@ -100,16 +100,26 @@ class _Records:
         return self.rollouts[int(self.indices[index])]
 
 
+def check_tree_share(rollouts: RolloutSet, cfg: TrainConfig) -> None:
+    """Checks that ``cfg.tree_share`` (if set) has records of both kinds to mix.
+
+    Raises:
+      RolloutError: the records all carry trees, or none does (one sentence).
+    """
+    n_trees = len(rollouts.tree_records)
+    if cfg.tree_share is not None and n_trees in (0, len(rollouts)):
+        raise RolloutError(f"--tree-share {cfg.tree_share} mixes rollouts with logged trees and plain ones, but "
+                           f"{'none' if n_trees == 0 else 'all'} of the {len(rollouts)} records carry trees; "
+                           "drop --tree-share or add the other kind of rollout directory.")
+
+
 def _records(rollouts: RolloutSet, cfg: TrainConfig) -> grain.MapDataset:
     """The endless stream of records, every epoch a new permutation; with ``cfg.tree_share`` two
     such streams, of the records with trees and of the rest, mixed in those proportions."""
     if cfg.tree_share is None:
         return grain.MapDataset.source(rollouts).shuffle(seed=cfg.seed).repeat()
+    check_tree_share(rollouts, cfg)
     with_trees = np.isin(np.arange(len(rollouts)), rollouts.tree_records)
-    if with_trees.all() or not with_trees.any():
-        raise RolloutError(f"tree_share={cfg.tree_share} mixes rollouts with logged trees and plain ones, but "
-                           f"{'all' if with_trees.any() else 'none'} of the {len(rollouts)} records carry trees; "
-                           "drop --tree-share or add the other kind of rollout directory.")
     streams = [grain.MapDataset.source(_Records(rollouts, np.flatnonzero(part))).shuffle(seed=cfg.seed + k).repeat()
                for k, part in enumerate((with_trees, ~with_trees))]
     return grain.MapDataset.mix(streams, [cfg.tree_share, 1 - cfg.tree_share])

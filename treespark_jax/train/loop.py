@@ -71,7 +71,7 @@ from treespark_jax.rollouts.reader import RolloutSet, open_rollouts
 from treespark_jax.rollouts.store import read_manifest
 from treespark_jax.sharding import Partitioner
 from treespark_jax.train.checkpointing import TrainCheckpoints
-from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
+from treespark_jax.train.data import check_tree_share, data_iterator, train_dataset, tree_layout
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
 from treespark_jax.train.on_policy import OnPolicySource, training_prompts
@@ -337,6 +337,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     loaded = load_target(target or manifest["target"]["name"], dtype)
     binding = TargetBinding.of(loaded)
     rs = None if on_policy is not None else open_rollouts(dirs, expect=binding)
+    if rs is not None:  # before the run directory is made
+        check_tree_share(rs, cfg)
     jdtype = getattr(jax.numpy, dtype)
     drafter, vocab_ids = _drafter(loss, loaded, binding, rs, init, init_layers, drafter_fields or {}, jdtype,
                                   cfg.seed)
