@@ -334,7 +334,7 @@ class TrainConfig:
         if self.trees < 0:
             raise ValueError(f"trees={self.trees} logged trees per sequence must be 0 or more.")
         if self.tree_share is not None and not 0 < self.tree_share < 1:
-            raise ValueError(f"tree_share={self.tree_share} must lie strictly between 0 and 1 (or be None).")
+            raise ValueError(f"--tree-share {self.tree_share} must lie strictly between 0 and 1.")
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive.")

@@ -181,8 +181,6 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("--prompts feeds online training; add --online, or train offline on --rollouts DIR.")
     check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2, tree_interval=1, tree_buffer=1,
                    decode_prompts=1, budget=1, max_new_tokens=1)
-    if args.tree_share is not None and not 0 < args.tree_share < 1:
-        raise ValueError(f"--tree-share {args.tree_share} must lie strictly between 0 and 1.")
     on_policy = on_policy_config(args)
     cfg = TrainConfig(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,

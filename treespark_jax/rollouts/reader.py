@@ -91,7 +91,6 @@ class RolloutSet:
             raise RolloutError(f"rollouts in {str(first)!r} carry features of layers {list(self.layer_ids)}, "
                                f"not the {list(layer_ids)} expected.")
         self.d_model = int(m0["d_model"])
-        self.trees = any(m.get("trees") for m in self.manifests)
         self._shards: list[_Shard] = []
         for d, m in zip(dirs, self.manifests):
             for s in m["shards"]:
@@ -105,6 +104,7 @@ class RolloutSet:
         self.tree_records = np.concatenate([np.arange(start, start + n, dtype=np.int64)
                                             for start, n, m in zip(np.cumsum([0] + counts), counts, self.manifests)
                                             if m.get("trees")] or [np.zeros(0, np.int64)])
+        self.trees = len(self.tree_records) > 0
 
     @property
     def source(self):

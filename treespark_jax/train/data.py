@@ -119,7 +119,8 @@ def _records(rollouts: RolloutSet, cfg: TrainConfig) -> grain.MapDataset:
     if cfg.tree_share is None:
         return grain.MapDataset.source(rollouts).shuffle(seed=cfg.seed).repeat()
     check_tree_share(rollouts, cfg)
-    with_trees = np.isin(np.arange(len(rollouts)), rollouts.tree_records)
+    with_trees = np.zeros(len(rollouts), bool)
+    with_trees[rollouts.tree_records] = True
     streams = [grain.MapDataset.source(_Records(rollouts, np.flatnonzero(part))).shuffle(seed=cfg.seed + k).repeat()
                for k, part in enumerate((with_trees, ~with_trees))]
     return grain.MapDataset.mix(streams, [cfg.tree_share, 1 - cfg.tree_share])
