@@ -47,6 +47,7 @@ def test_default_method_uses_the_shipped_drafter_and_compares_with_ar(preset, ca
                  "--max-new-tokens", "32", "--compare-ar"]) == 0
     err = capsys.readouterr().err
     assert "speedup of treespark over AR" in err and "greedy output identical to AR: yes" in err
+    assert err.count("no program compiled (all were warm)") == 2 and "0 programs" not in err
 
 
 def test_prompt_lookup_method_matches_greedy_ar(preset, capsys):
@@ -212,7 +213,11 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     flags = ["--max-new-tokens", "2", "--batch-size", "4", "--drop-unfinished", "--json-out", str(none)]
     assert main(args[:-4] + flags) == 2
     assert "no usable user turn" in capsys.readouterr().err and not none.exists()
-    assert not list(tmp_path.glob(".*partial"))
+    special = ["--user-prefix", "Write code.<|im_end|>", "--json-out", str(none)]
+    assert main(args + special) == 2  # refused by its flag's name, nothing written
+    err = capsys.readouterr().err.strip()
+    assert "--user-prefix 'Write code.<|im_end|>' holds the special token" in err and "\n" not in err
+    assert not none.exists() and not list(tmp_path.glob(".*partial"))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -304,6 +304,11 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
     rc = main(_cli("--rollouts", rollouts, "--loss", "dflash", "--out", trained, "--steps", "3", "--block-size", "8"))
     err = capsys.readouterr().err
     assert rc == 2 and "holds a run with --block-size 4, not 8;" in err, err
+    more = tmp_path / "more"  # other rollout directories: the refusal names the one added, not two lists
+    shutil.copytree(rollouts, more)
+    rc = main(_cli("--rollouts", rollouts, more, "--loss", "dflash", "--out", trained, "--steps", "3"))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"holds a run with other --rollouts (it did not read {more.absolute()});" in err, err
     # A checkpoint restored into arrays of other shapes names the array.
     from treespark_jax.train.checkpointing import TrainCheckpoints
 

@@ -92,4 +92,5 @@ def _stats_json(stats) -> dict:
 
 def _stats_line(stats) -> str:
     return (f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, τ {stats.tau:.2f}, "
-            f"{stats.target_forwards} target forwards, {stats.compiles} programs compiled")
+            f"{stats.target_forwards} target forwards, "
+            + (f"{stats.compiles} programs compiled" if stats.compiles else "no program compiled (all were warm)"))

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> None:
 
     from treespark_jax.api import load
     from treespark_jax.files import write_text_atomic
-    from treespark_jax.prompts.self_generated import self_generated_prompts
+    from treespark_jax.prompts.self_generated import check_user_prefix, self_generated_prompts
 
     check_at_least(args, limit=1, max_new_tokens=1, batch_size=1, seed=0)
     check_out_file("--json-out", args.json_out)
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> None:
     if out.exists():
         raise ValueError(f"--json-out {args.json_out} already exists; remove it or choose another file.")
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
+    check_user_prefix(lm.tokenizer, args.user_prefix, "--user-prefix")
     start = time.perf_counter()
     records = self_generated_prompts(lm, args.limit, seed=args.seed, max_new_tokens=args.max_new_tokens,
                                      batch_size=args.batch_size, user_prefix=args.user_prefix,

@@ -21,6 +21,34 @@ __all__ = ["self_generated_prompts"]
 logger = logging.getLogger(__name__)
 
 
+def check_user_prefix(tokenizer: Any, user_prefix: str, name: str = "user_prefix") -> set[int]:
+    """Refuses a user-turn prefix that is not a string or holds a special token of ``tokenizer``.
+
+    The template's own tokens (its added special tokens and stop tokens) would end or restructure
+    the user turn the prefix starts.
+
+    Args:
+      tokenizer: the target's tokenizer (``treespark_jax.models.tokenizer.Tokenizer``).
+      user_prefix: the text to check.
+      name: how error messages name the value (``--user-prefix`` from the CLI).
+
+    Returns:
+      The special token ids (added special tokens and stop tokens) of ``tokenizer``.
+
+    Raises:
+      ValueError: ``user_prefix`` is not a string, or holds a special token (named in the message).
+    """
+    if not isinstance(user_prefix, str):
+        raise ValueError(f"{name}={user_prefix!r} must be a string.")
+    special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+    special |= set(tokenizer.stop_ids)
+    marker = next((i for i in tokenizer.encode(user_prefix, add_special_tokens=False) if i in special), None)
+    if marker is not None:
+        raise ValueError(f"{name} {user_prefix!r} holds the special token {tokenizer.decode([marker])!r}; a "
+                         "user turn's text cannot contain the chat template's tokens.")
+    return special
+
+
 def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: int = 64,
                            batch_size: int = 8, system: str | None = None, user_prefix: str = "",
                            drop_unfinished: bool = False, max_rows: int | None = None
@@ -75,14 +103,7 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
         raise ValueError(f"max_rows={max_rows!r} must be an integer ≥ 1.")
     tokenizer = lm.tokenizer
     engine = getattr(lm, "engine", None) or Engine(lm.model, tokenizer.stop_ids)
-    if not isinstance(user_prefix, str):
-        raise ValueError(f"user_prefix={user_prefix!r} must be a string.")
-    special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
-    special |= set(tokenizer.stop_ids)
-    marker = next((i for i in tokenizer.encode(user_prefix, add_special_tokens=False) if i in special), None)
-    if marker is not None:  # the template's own tokens would end or restructure the turn it starts
-        raise ValueError(f"user_prefix {user_prefix!r} holds the special token {tokenizer.decode([marker])!r}; a "
-                         "user turn's text cannot contain the chat template's tokens.")
+    special = check_user_prefix(tokenizer, user_prefix)
     header = tokenizer.encode(user_turn_prefix(tokenizer, system) + user_prefix, add_special_tokens=False)
 
     kept: dict[str, PromptRecord] = {}

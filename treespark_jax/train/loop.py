@@ -89,7 +89,7 @@ _FREE = ("save_every", "keep", "log_every")
 # and --tree-share no "on_policy" "top_p" or "train" "tree_share"); and the keys whose difference is
 # named first, as the one the user changed (another loss changes the drafter's heads too).
 _ABSENT = {"online": False, ("on_policy", "top_p"): 1.0, ("train", "tree_share"): None}
-_FIRST = ("loss", "online")
+_FIRST = ("loss", "online", "rollouts")  # before the settings they imply (draft vocabulary, records)
 
 
 @dataclasses.dataclass
@@ -167,6 +167,12 @@ def _different(path: Path, key: str, sub: str | None, was: Any, now: Any) -> Val
         said, was, now = "--loss-weights", f"{sub}={was}", f"{sub}={now}"
     elif key == "on_policy" and sub is None:  # one of the runs decodes prompts, the other reads rollout directories
         said, was, now = "--prompts", *(v["prompts"] if v else "rollout directories" for v in (was, now))
+    elif key == "rollouts" and isinstance(was, list) and isinstance(now, list):  # name what changed, not two lists
+        gone, new = [d for d in was if d not in now], [d for d in now if d not in was]
+        change = "; ".join([f"it read {' '.join(gone)}"] * bool(gone) + [f"it did not read {' '.join(new)}"] * bool(new))
+        change = change or "the same directories in another order"
+        return ValueError(f"{path.parent} holds a run with other --rollouts ({change}); resume with the same settings "
+                          "or choose another --out.")
     elif name in _FLAGGED.get(None if sub is None else key, ()):
         said = "--" + _RENAMED.get(name, name).replace("_", "-")
         if isinstance(was, bool):  # a switch: given or not
