@@ -396,6 +396,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
 
         graphdef, state = init_state(drafter, tx)
         ckpts = TrainCheckpoints(out / "checkpoints", keep=cfg.keep)
+        held.callback(ckpts.close)  # its threads stopped however the run ends, a refused restore included
         block, blocks = process_data_block(mesh)  # this process's rows of every global batch
         n_trees = cfg.trees if loss == "treespark" else 0
         if source is None:
@@ -454,7 +455,6 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
             ckpts.wait()
         finally:
             log.close()
-            ckpts.close()
 
         params = _host(state["params"])
         finished = end == cfg.steps
