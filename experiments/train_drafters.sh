@@ -37,6 +37,9 @@ TREE_SHARE=${TREE_SHARE:-0.5}  # treespark stages: share of every batch's sequen
 SELF=${SELF:-4000}             # self-generated chat prompts (DESIGN.md §1.4)
 SELF_CODE=${SELF_CODE:-1000}   # self-generated code prompts (HumanEval has 132 training prompts; code needs more)
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary the drafters train on and draft from (most frequent training tokens)
+# the dspark drafter the on-policy, treespark and ablate stages start from; on a machine without this DATA
+# (its rollouts regenerated, the dspark stage not rerun) the shipped one: treespark_jax/drafters/smollm2-135m/dspark
+DSPARK=${DSPARK:-$DATA/dspark/drafter}
 T="$PY -m treespark_jax.cli"
 TRAIN_ARGS="--steps $STEPS --batch-size $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
 VOCAB_ARGS="--draft-vocab $DRAFT_VOCAB"  # the treespark stage and the ablations keep their --init drafter's
@@ -78,7 +81,7 @@ stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS $V
 stage_onpolicy() {
   for s in $ONPOLICY; do
     $T rollout --prompts "$s" --split train ${LIMIT:+--limit "$LIMIT"} --max-new-tokens "$NEW" --batch-size "$RBATCH" \
-      --drafter "$DATA/dspark/drafter" --method pctree --budget "$BUDGET" --out "$DATA/onpolicy-$s-train"
+      --drafter "$DSPARK" --method pctree --budget "$BUDGET" --out "$DATA/onpolicy-$s-train"
   done
 }
 treespark_sets() {
@@ -89,7 +92,7 @@ treespark_sets() {
 }
 stage_treespark() {
   $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
-    --init "$DATA/dspark/drafter" $TRAIN_ARGS --out "$DATA/treespark"
+    --init "$DSPARK" $TRAIN_ARGS --out "$DATA/treespark"
 }
 stage_eval() {
   for d in dflash:ddtree dspark:pctree treespark:treespark; do
@@ -104,21 +107,21 @@ ABLATIONS="full: unit_weights:tree_tv=0.9,tree_ce=0.1,tree_coverage=1,tree_edge=
 stage_ablate() {  # treespark loss terms, each variant from the dspark drafter for ABLATE_STEPS, offline tree τ on GSM8K eval
   $T rollout --prompts gsm8k --split eval --max-new-tokens "$NEW" --batch-size "$RBATCH" --out "$DATA/rollouts-gsm8k-eval"
   mkdir -p "$DATA/ablate-start"  # the reference: the dspark drafter every variant starts from
-  $T eval-drafter --drafter "$DATA/dspark/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
+  $T eval-drafter --drafter "$DSPARK" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
     --budget "$BUDGET" --json-out "$DATA/ablate-start/eval.json"
   mkdir -p "$DATA/ablate-shipped"  # for scale: the treespark stage's run (STEPS steps), exported as the shipped drafter
   $T eval-drafter --drafter "$DATA/treespark/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
     --budget "$BUDGET" --json-out "$DATA/ablate-shipped/eval.json"
   # the shipped run's control: the same STEPS steps from the same start with every tree term off
   $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
-    --init "$DATA/dspark/drafter" $TRAIN_ARGS \
+    --init "$DSPARK" $TRAIN_ARGS \
     --loss-weights "$NO_TREE_TERMS" --out "$DATA/ablate-shipped_no_tree_terms"
   $T eval-drafter --drafter "$DATA/ablate-shipped_no_tree_terms/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" \
     --method treespark --budget "$BUDGET" --json-out "$DATA/ablate-shipped_no_tree_terms/eval.json"
   for v in $ABLATIONS; do
     name=${v%%:*} w=${v#*:}
     $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
-      --init "$DATA/dspark/drafter" \
+      --init "$DSPARK" \
       --steps "$ABLATE_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 50 --log-every 10 \
       ${w:+--loss-weights "$w"} --out "$DATA/ablate-$name"
     $T eval-drafter --drafter "$DATA/ablate-$name/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
