@@ -16,7 +16,7 @@ import numpy as np
 from treespark_jax.prompts.chat import user_turn_prefix
 from treespark_jax.prompts.sets import PromptRecord
 
-__all__ = ["self_generated_prompts"]
+__all__ = ["check_user_prefix", "self_generated_prompts"]
 
 logger = logging.getLogger(__name__)
 

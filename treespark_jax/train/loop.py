@@ -168,8 +168,8 @@ def _different(path: Path, key: str, sub: str | None, was: Any, now: Any) -> Val
     elif key == "on_policy" and sub is None:  # one of the runs decodes prompts, the other reads rollout directories
         said, was, now = "--prompts", *(v["prompts"] if v else "rollout directories" for v in (was, now))
     elif key == "rollouts" and isinstance(was, list) and isinstance(now, list):  # name what changed, not two lists
-        gone, new = [d for d in was if d not in now], [d for d in now if d not in was]
-        change = "; ".join([f"it read {' '.join(gone)}"] * bool(gone) + [f"it did not read {' '.join(new)}"] * bool(new))
+        gone, new = " ".join(d for d in was if d not in now), " ".join(d for d in now if d not in was)
+        change = "; ".join(part for part in (gone and f"it read {gone}", new and f"it did not read {new}") if part)
         change = change or "the same directories in another order"
         return ValueError(f"{path.parent} holds a run with other --rollouts ({change}); resume with the same settings "
                           "or choose another --out.")
