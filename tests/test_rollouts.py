@@ -417,7 +417,8 @@ def test_cli_eval_drafter_reports_offline_chain_and_tree_tau(tmp_path, baseline,
                  "--anchors", "4", "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["blocks"] > 0 and 1 <= result["chain_tau"] <= 5 and 1 <= result["tree_tau"] <= 5
-    assert len(result["alpha"]) == 4 and "tree τ" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert len(result["alpha"]) == 4 and "tree τ" in out_text and "given the gold prefix)" in out_text
     # Edge calibration: every accepted edge is a node of the gold prefixes behind tree τ.
     accepted = np.asarray(result["calibration"]["accepted"])
     assert accepted.shape == (4, result["calibration"]["bins"])

@@ -256,7 +256,8 @@ def test_a_draft_vocabulary_run_saves_its_drafter_with_the_vocabulary(tmp_path, 
         assert main(_cli("--rollouts", rollouts, "--loss", "dflash", "--init", first / "drafter", *extra, "--out", out,
                          "--steps", "2")) == 0
         assert load_drafter(out / "drafter", binding)[1].cfg.draft_vocab == size
-    capsys.readouterr()
+    alpha_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("α/depth"))
+    assert "given the gold prefix; the last logged interval" in alpha_row, alpha_row
 
 
 def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, tiny_dir, rollouts, other_rollouts,

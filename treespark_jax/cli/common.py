@@ -18,6 +18,9 @@ from typing import Any
 from treespark_jax.config import BUILDERS, VERIFY_RULES
 from treespark_jax.models.presets import DEFAULT_PRESET, PRESETS
 
+# what the "α/depth" row of ``train`` and ``eval-drafter`` shows (train/objective.py, train/evaluate.py)
+ALPHA_NOTE = "acceptance 1 − ½‖q − p‖₁ at depths 1…P, each given the gold prefix"
+
 
 def add_target_args(p: argparse.ArgumentParser, default: str = f"default {DEFAULT_PRESET}") -> None:
     """Adds ``--preset NAME`` | ``--target PATH`` (mutually exclusive) and ``--dtype`` to ``p``;

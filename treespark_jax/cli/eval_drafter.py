@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from treespark_jax.cli.common import check_at_least, check_out_file
+from treespark_jax.cli.common import ALPHA_NOTE, check_at_least, check_out_file
 from treespark_jax.config import BUILDERS
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, MAX_BUDGET
 
@@ -65,6 +65,6 @@ def run(args: argparse.Namespace) -> None:
     print(f"{'blocks':<10} {result['blocks']}\n{'chain τ':<10} {result['chain_tau']:.3f}")
     if tree is not None:
         print(f"{'tree τ':<10} {result['tree_tau']:.3f}  ({tree.builder}, budget {tree.budget})")
-    print(f"{'α/depth':<10} " + " ".join(f"{a:.2f}" for a in result["alpha"]))
+    print(f"{'α/depth':<10} " + " ".join(f"{a:.2f}" for a in result["alpha"]) + f"  ({ALPHA_NOTE})")
     if args.json_out:
         write_text_atomic(args.json_out, json.dumps(result, indent=2))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import add_mesh_arg, add_target_args, check_at_least, comma_list
+from treespark_jax.cli.common import ALPHA_NOTE, add_mesh_arg, add_target_args, check_at_least, comma_list
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -203,7 +203,8 @@ def run(args: argparse.Namespace) -> None:
     rows = [("run", str(r.out)), ("steps", f"{r.start_step} → {r.step} of {cfg.steps}"),
             ("loss", f"{m['loss']:.4f}" if "loss" in m else "-"),
             ("τ (chain)", f"{m['tau']:.3f}" if "tau" in m else "-"),
-            ("α/depth", " ".join(f"{a:.2f}" for a in m.get("alpha", [])) or "-"),
+            ("α/depth", " ".join(f"{a:.2f}" for a in m.get("alpha", [])) + f"  ({ALPHA_NOTE}; the last logged interval)"
+             if m.get("alpha") else "-"),
             ("drafter", str(r.drafter_path) if r.finished
              else "not yet (re-run without --stop-after, or with a later step, to continue)")]
     print("\n".join(f"{k:<10} {v}" for k, v in rows))
