@@ -7,8 +7,8 @@
 #      draft vocabulary (the DRAFT_VOCAB most frequent tokens of the training rollouts)
 #   3. on-policy rollouts with the dspark drafter (every verified tree logged)
 #   4. a treespark drafter warm-started from the dspark one (and its draft vocabulary), trained on the
-#      on-policy trees
-#      (of the $ONPOLICY sets; plain rollouts of the others, whose tree slots stay empty)
+#      on-policy trees of the $ONPOLICY sets mixed (TREE_SHARE) with the plain rollouts of stage 1, whose
+#      tree slots stay empty
 #   5. offline evaluation of all three on the held-out (eval) split
 #   (ablate: treespark loss-term ablation for experiments/RESULTS.md; iterate: the iterated on-policy loop with
 #    its no-tree-terms controls, two seeds; neither is in the default stages)
@@ -84,9 +84,10 @@ stage_onpolicy() {
       --drafter "$DSPARK" --method pctree --budget "$BUDGET" --out "$DATA/onpolicy-$s-train"
   done
 }
-treespark_sets() {
+treespark_sets() {  # the on-policy trees, and every plain rollout there is (a set's on-policy prompts may be fewer)
   for s in $SETS; do
-    case " $ONPOLICY " in *" $s "*) echo "$DATA/onpolicy-$s-train" ;; *) echo "$DATA/rollouts-$s-train" ;; esac
+    case " $ONPOLICY " in *" $s "*) echo "$DATA/onpolicy-$s-train" ;; esac
+    if [ -d "$DATA/rollouts-$s-train" ]; then echo "$DATA/rollouts-$s-train"; fi
   done
   self_rollouts
 }
