@@ -183,13 +183,18 @@ PY
   done
 }
 
-stage_export() {  # bfloat16 copies, each with the draft vocabulary it was trained on
+stage_export() {  # bfloat16 copies, each with the draft vocabulary it was trained on; a stage not run keeps its shipped one
   $PY - "$DATA" <<'PY'
 import sys
+from pathlib import Path
 from treespark_jax.drafter.checkpoint import export_drafter
 
 for name in ("dflash", "dspark", "treespark"):
-    print(export_drafter(f"{sys.argv[1]}/{name}/drafter", f"treespark_jax/drafters/smollm2-135m/{name}", overwrite=True))
+    run = Path(sys.argv[1], name, "drafter")
+    if run.is_dir():
+        print(export_drafter(run, f"treespark_jax/drafters/smollm2-135m/{name}", overwrite=True))
+    else:
+        print(f"{run} does not exist: the shipped {name} drafter stays")
 PY
 }
 
