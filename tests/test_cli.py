@@ -1,9 +1,11 @@
 """The command line end to end on the default preset: output, JSON and one-sentence errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 
+import treespark_jax
 from treespark_jax.cli import main
 
 from tiny import write_tiny_hf_target
@@ -120,10 +122,10 @@ def test_drafting_flags_reach_the_round_and_keep_greedy_output(tmp_path, capsys)
     (["--prompt", "hi", "--seed", "-1"], "seed -1 is outside 0..4294967295"),
     (["--prompt", "hi " * 9000], "more than the model's context of 8192 tokens"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
-    (["--prompt", "hi", "--temperature", "-1"], "temperature -1.0 is negative"),
-    (["--prompt", "hi", "--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
-    (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "budget=0 must be a whole number of drafted nodes between 1 and 1024"),
-    (["--prompt", "hi", "--budget", "100000"], "budget=100000 must be a whole number of drafted nodes between 1 and 1024"),
+    (["--prompt", "hi", "--temperature", "-1"], "--temperature -1.0 is negative"),
+    (["--prompt", "hi", "--top-p", "1.5"], "--top-p 1.5 is outside (0, 1]"),
+    (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "--budget 0 must be a whole number of drafted nodes between 1 and 1024"),
+    (["--prompt", "hi", "--budget", "100000"], "--budget 100000 must be a whole number of drafted nodes between 1 and 1024"),
     (["--prompt", "hi", "--method", "dflash", "--drafter", "/no/such/drafter"], "/no/such/drafter"),
     (["--prompt", "hi", "--method", "ar", "--drafter", "random"], "method 'ar' uses no block drafter"),
 ])
@@ -256,7 +258,9 @@ def test_flags_share_one_vocabulary_across_commands(capsys):
         "dflash", "dspark", "treespark"}
     with pytest.raises(SystemExit):
         main(["train", "--rollouts", "x", "--loss", "nope", "--out", "y"])
-    assert "invalid choice: 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err  # one line pointing to --help, not argparse's whole usage block
+    assert "invalid choice: 'nope'" in err and err.endswith("(see `treespark train --help`).\n")
+    assert err.count("\n") == 1 and "usage:" not in err
     # An old spelling is not read as a prefix of the new one (argparse's abbreviations are off).
     for argv, old in ((["generate", "--prompt", "hi", "--temp", "0.7"], "--temp 0.7"),
                       (["generate", "--prompt", "hi", "--skip"], "--skip"),
@@ -264,6 +268,39 @@ def test_flags_share_one_vocabulary_across_commands(capsys):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2 and f"unrecognized arguments: {old}" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults_it_has(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval-drafter", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "per rollout (seeded) (default: 32)" in text and "(0: chain τ only) (default: 8)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    # a help that says its default already is left as it is (--max-new-tokens); --drafter has none to say
+    assert "cap per reply (default 128)" in text and "(default: 128)" not in text and "(default: None)" not in text
+
+
+def test_eval_drafter_names_what_it_was_given_before_the_target_loads(capsys, tmp_path, monkeypatch):
+    import treespark_jax.api
+
+    monkeypatch.setattr(treespark_jax.api, "load", lambda *a, **k: pytest.fail("the target was loaded"))
+    shipped = Path(treespark_jax.__file__).parent / "drafters" / "smollm2-135m"
+    (tmp_path / "rollouts.txt").write_text("not a folder")
+    for flags, message in (
+            (["--drafter", "random", "--rollouts", "x"],
+             "--drafter random (an untrained drafter) is for generate and bench; eval-drafter needs a checkpoint "
+             f"directory, such as {shipped / 'treespark'}."),
+            (["--drafter", str(shipped), "--rollouts", "x"],
+             "has no drafter.json (incomplete or not a drafter); it holds the drafters dflash, dspark, treespark: "
+             "pass one of them."),
+            (["--drafter", str(shipped / "dspark"), "--rollouts", str(tmp_path / "rollouts.txt")],
+             "rollouts.txt' is a file, not a directory; pass the folder `treespark rollout --out DIR` wrote.")):
+        assert main(["eval-drafter", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("treespark: error: ") and err.endswith(message) and "\n" not in err
 
 
 def test_generation_config_is_checked_when_made_and_names_unknown_settings(unchecked):

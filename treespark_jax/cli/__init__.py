@@ -32,12 +32,29 @@ _COMMANDS = {"generate": generate, "bench": bench, "models": models, "profile": 
              "export-drafter": export_drafter}  # in the order of ``--help``
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` ends each option's help with its default, unless the help already says it or
+    there is none to say (``None``, ``False``, a flag that takes no value)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and action.nargs != 0 and action.default not in (None, False, argparse.SUPPRESS)
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
 class _ExactParser(argparse.ArgumentParser):
     """A parser that reads a flag only by its full name: a retired flag such as ``--temp`` is
-    refused, not read as a prefix of ``--temperature``. Subcommand parsers are of the same class."""
+    refused, not read as a prefix of ``--temperature``. A bad flag is refused in one sentence that
+    points to ``--help`` (not argparse's whole usage block). Subcommand parsers are of the same class."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`).\n")
 
 
 def _parser() -> argparse.ArgumentParser:

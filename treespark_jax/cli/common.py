@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ def generation_config(args: argparse.Namespace, **fields):
     flag's name is the field's), then ``fields``. Made before any model loads, so bad values fail fast.
 
     Raises:
-      ValueError: a value ``GenerationConfig`` refuses (one sentence naming it).
+      ValueError: a value ``GenerationConfig`` refuses (one sentence naming it by its flag).
     """
     import dataclasses
 
@@ -70,7 +71,14 @@ def generation_config(args: argparse.Namespace, **fields):
 
     check_at_least(args, max_new_tokens=1)
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
-    return GenerationConfig(**{**flags, **fields})
+    try:
+        return GenerationConfig(**{**flags, **fields})
+    except ValueError as e:  # the API names a setting as `top_p=0.0`; say it as the flag was typed: `--top-p 0.0`
+        text = str(e)
+        name = next((n for n in flags if re.match(rf"{n}[= ]", text)), None)
+        if name is None:
+            raise
+        raise ValueError(f"--{name.replace('_', '-')} {text[len(name) + 1:]}") from None
 
 
 def check_at_least(args: argparse.Namespace, **lows: int) -> None:

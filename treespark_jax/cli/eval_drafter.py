@@ -8,7 +8,8 @@ from pathlib import Path
 
 from treespark_jax.cli.common import ALPHA_NOTE, check_at_least, check_out_file
 from treespark_jax.config import BUILDERS
-from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, MAX_BUDGET
+from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, MAX_BUDGET, recipe
+from treespark_jax.models.presets import DEFAULT_PRESET
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,22 +33,30 @@ def run(args: argparse.Namespace) -> None:
     """Prints chain τ, tree τ (greedy rollouts, ``--budget`` > 0) and α per depth; optionally writes JSON.
 
     Raises:
-      ValueError: ``--anchors`` or ``--batch-size`` below 1, tree τ asked of sampled (temperature > 0) rollouts;
+      ValueError: ``--anchors`` or ``--batch-size`` below 1, ``--drafter random``, tree τ asked of sampled
+        (temperature > 0) rollouts;
         the drafter and rollout readers raise it for a bad path or rollouts of another target.
     """
     from treespark_jax.api import load
     from treespark_jax.drafter.checkpoint import TargetBinding, read_meta
     from treespark_jax.drafter.model import TargetHead
+    from treespark_jax.drafters import shipped_drafter
     from treespark_jax.files import write_text_atomic
     from treespark_jax.rollouts.reader import open_rollouts
     from treespark_jax.rollouts.records import STORED_KEYS
+    from treespark_jax.rollouts.store import read_manifest
     from treespark_jax.train.evaluate import evaluate_drafter, rollout_batches
 
     check_at_least(args, anchors=1, batch_size=1, budget=0)
     if args.budget > MAX_BUDGET:
         raise ValueError(f"--budget {args.budget} must be at most {MAX_BUDGET} (0: chain τ only).")
     check_out_file("--json-out", args.json_out)
+    if args.drafter == "random" and not Path(args.drafter).exists():
+        raise ValueError("--drafter random (an untrained drafter) is for generate and bench; eval-drafter needs a "
+                         f"checkpoint directory, such as {shipped_drafter(DEFAULT_PRESET, recipe(args.method).drafter_loss)}.")
     meta = read_meta(args.drafter)  # a bad path fails before the target loads
+    for directory in args.rollouts:
+        read_manifest(directory)
     lm = load(meta.binding.name)
     drafter = lm.drafter(args.method, args.drafter)
     rollouts = open_rollouts(args.rollouts, expect=TargetBinding.of(lm.target), layer_ids=drafter.cfg.target_layer_ids)

@@ -195,7 +195,9 @@ def read_meta(path: str | Path) -> DrafterMeta:
     try:
         meta = json.loads((path / "drafter.json").read_text())
     except FileNotFoundError:
-        raise ValueError(f"drafter checkpoint {path} has no drafter.json (incomplete or not a drafter)."
+        inside = sorted(d.name for d in path.iterdir() if (d / "drafter.json").is_file())
+        hint = f"; it holds the drafters {', '.join(inside)}: pass one of them" if inside else ""
+        raise ValueError(f"drafter checkpoint {path} has no drafter.json (incomplete or not a drafter){hint}."
                          ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"drafter checkpoint {path} has a corrupt drafter.json ({e}).") from e

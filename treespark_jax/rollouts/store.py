@@ -70,7 +70,9 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise RolloutError(f"rollout directory {str(directory)!r} does not exist.")
+        problem = "is a file, not a directory" if directory.exists() else "does not exist"
+        raise RolloutError(f"rollout directory {str(directory)!r} {problem}; pass the folder `treespark rollout "
+                           "--out DIR` wrote.")
     path = directory / MANIFEST
     if not path.is_file():
         if not any(directory.iterdir()):
