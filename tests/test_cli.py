@@ -267,7 +267,8 @@ def test_flags_share_one_vocabulary_across_commands(capsys):
                       (["train", "--rollouts", "x", "--loss", "dflash", "--out", "y", "--batch", "2"], "--batch 2")):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
-        assert exit_.value.code == 2 and f"unrecognized arguments: {old}" in capsys.readouterr().err
+        err = capsys.readouterr().err  # blamed on the subcommand, whose --help lists the flags
+        assert exit_.value.code == 2 and f"treespark {argv[0]}: error: unrecognized arguments: {old} (see" in err
 
 
 def test_help_shows_the_defaults_it_has(capsys):
@@ -301,6 +302,20 @@ def test_eval_drafter_names_what_it_was_given_before_the_target_loads(capsys, tm
         assert main(["eval-drafter", *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("treespark: error: ") and err.endswith(message) and "\n" not in err
+
+
+def test_rollout_settings_and_an_unwritable_json_out_are_refused_before_any_work(capsys, tmp_path, monkeypatch):
+    import treespark_jax.api
+
+    monkeypatch.setattr(treespark_jax.api, "load", lambda *a, **k: pytest.fail("the target was loaded"))
+    for flags, message in ((["--seed", "-1"], "--seed -1 is outside 0..4294967295"),
+                           (["--top-p", "0"], "--top-p 0.0 is outside (0, 1]")):
+        assert main(["rollout", "--prompts", "gsm8k", "--out", str(tmp_path / "r"), *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    if Path("/sys").is_dir():  # read-only even for root, whom os.access would wave through
+        assert main(["bench", "--json-out", "/sys/b.json"]) == 2
+        assert "--json-out /sys/b.json: its folder is not writable." in capsys.readouterr().err
 
 
 def test_generation_config_is_checked_when_made_and_names_unknown_settings(unchecked):

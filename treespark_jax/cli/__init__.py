@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
       one line naming the file), 130 on Ctrl-C (``treespark: interrupted.``). Bad flags exit 2
       through argparse (``SystemExit``).
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # refused by the subcommand's parser, so the message names it and its --help
+        parser._subparsers._group_actions[0].choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         _COMMANDS[args.command].run(args)
     except ValueError as e:  # user errors (AssetError is a ValueError too)

@@ -10,8 +10,8 @@ directory and ``--json-out FILE`` always a file."""
 from __future__ import annotations
 
 import argparse
-import os
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -118,8 +118,8 @@ def target_name(args: argparse.Namespace) -> str:
 
 
 def check_out_file(flag: str, value: str | None) -> None:
-    """Checks an output file flag before any slow work: its folder must exist and it must not be
-    a directory (nothing is created).
+    """Checks an output file flag before any slow work: its folder must exist and take a file (probed
+    with a temporary file, removed at once), and it must not be a directory.
 
     Raises:
       ValueError: naming the flag and the value.
@@ -131,5 +131,8 @@ def check_out_file(flag: str, value: str | None) -> None:
         raise ValueError(f"{flag} {value} is a directory; give a file path.")
     if not path.parent.is_dir():
         raise ValueError(f"{flag} {value}: its folder does not exist.")
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {value}: its folder is not writable.")
+    try:  # a real write: os.access says yes to root on read-only file systems such as /sys
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError:
+        raise ValueError(f"{flag} {value}: its folder is not writable.") from None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import add_mesh_arg, add_target_args, check_at_least, comma_list, target_name
+from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, comma_list, generation_config,
+                                      target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
 
@@ -45,9 +46,9 @@ def run(args: argparse.Namespace) -> None:
     """Writes (or resumes) the rollout directory and prints a summary table.
 
     Raises:
-      ValueError: ``--limit`` below 1 or ``--layer-ids`` that are not integers; the prompt loader
-        (before the target loads), the target loader (a bad ``--mesh`` too) and the rollout writer
-        raise it for their bad input.
+      ValueError: ``--limit`` below 1, ``--layer-ids`` that are not integers, a sampling setting or
+        ``--budget`` out of range; the prompt loader (before the target loads), the target loader (a
+        bad ``--mesh`` too) and the rollout writer raise it for their bad input.
     """
     from pathlib import Path
 
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
 
     check_at_least(args, limit=1, max_new_tokens=1, batch_size=1)
+    generation_config(args)  # --temperature, --top-p, --seed and --budget checked as generate checks them
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file, not a rollout directory.")
     layer_ids = comma_list("--layer-ids", args.layer_ids, int) if args.layer_ids else None
