@@ -136,11 +136,12 @@ def on_policy_config(args: argparse.Namespace):
 
     Raises:
       ValueError: a prompt set or file mixed with other ``--prompts``, an online decoding flag given
-        without one, or a bad online decoding value.
+        without one, or a bad online decoding value (``--budget`` above ``methods.MAX_BUDGET`` too).
     """
     from pathlib import Path
 
     from treespark_jax.config import OnPolicyConfig
+    from treespark_jax.methods import MAX_BUDGET
     from treespark_jax.prompts.sets import PROMPT_SETS
 
     flags = {"split": ("--split", args.split), "interval": ("--tree-interval", args.tree_interval),
@@ -159,6 +160,8 @@ def on_policy_config(args: argparse.Namespace):
     if len(args.prompts) > 1:
         raise ValueError(f"--prompts {' '.join(args.prompts)} mixes a prompt set or file with other values; pass "
                          "one prompt set or JSONL file, or rollout directories only.")
+    if args.budget is not None and args.budget > MAX_BUDGET:  # before the run folder is made (a rerun must not be refused)
+        raise ValueError(f"--budget {args.budget} must be at most {MAX_BUDGET} drafted nodes.")
     return OnPolicyConfig(prompts=args.prompts[0], **given)
 
 
