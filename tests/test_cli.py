@@ -284,10 +284,15 @@ def test_help_shows_the_defaults_it_has(capsys):
     assert "cap per reply (default 128)" in text and "(default: 128)" not in text and "(default: None)" not in text
 
 
-def test_eval_drafter_names_what_it_was_given_before_the_target_loads(capsys, tmp_path, monkeypatch):
+@pytest.fixture
+def no_target_load(monkeypatch):
+    """Fails the test if a command loads a target: its refusals must come first."""
     import treespark_jax.api
 
     monkeypatch.setattr(treespark_jax.api, "load", lambda *a, **k: pytest.fail("the target was loaded"))
+
+
+def test_eval_drafter_names_what_it_was_given_before_the_target_loads(capsys, tmp_path, no_target_load):
     shipped = Path(treespark_jax.__file__).parent / "drafters" / "smollm2-135m"
     (tmp_path / "rollouts.txt").write_text("not a folder")
     for flags, message in (
@@ -304,10 +309,7 @@ def test_eval_drafter_names_what_it_was_given_before_the_target_loads(capsys, tm
         assert err.startswith("treespark: error: ") and err.endswith(message) and "\n" not in err
 
 
-def test_rollout_settings_and_an_unwritable_json_out_are_refused_before_any_work(capsys, tmp_path, monkeypatch):
-    import treespark_jax.api
-
-    monkeypatch.setattr(treespark_jax.api, "load", lambda *a, **k: pytest.fail("the target was loaded"))
+def test_rollout_settings_and_an_unwritable_json_out_are_refused_before_any_work(capsys, tmp_path, no_target_load):
     for flags, message in ((["--seed", "-1"], "--seed -1 is outside 0..4294967295"),
                            (["--top-p", "0"], "--top-p 0.0 is outside (0, 1]")):
         assert main(["rollout", "--prompts", "gsm8k", "--out", str(tmp_path / "r"), *flags]) == 2

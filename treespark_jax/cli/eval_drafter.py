@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--budget {args.budget} must be at most {MAX_BUDGET} (0: chain τ only).")
     check_out_file("--json-out", args.json_out)
     if args.drafter == "random" and not Path(args.drafter).exists():
+        example = shipped_drafter(DEFAULT_PRESET, recipe(args.method).drafter_loss)
         raise ValueError("--drafter random (an untrained drafter) is for generate and bench; eval-drafter needs a "
-                         f"checkpoint directory, such as {shipped_drafter(DEFAULT_PRESET, recipe(args.method).drafter_loss)}.")
+                         f"checkpoint directory, such as {example}.")
     meta = read_meta(args.drafter)  # a bad path fails before the target loads
     for directory in args.rollouts:
         read_manifest(directory)

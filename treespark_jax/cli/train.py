@@ -160,7 +160,7 @@ def on_policy_config(args: argparse.Namespace):
     if len(args.prompts) > 1:
         raise ValueError(f"--prompts {' '.join(args.prompts)} mixes a prompt set or file with other values; pass "
                          "one prompt set or JSONL file, or rollout directories only.")
-    if args.budget is not None and args.budget > MAX_BUDGET:  # before the run folder is made (a rerun must not be refused)
+    if args.budget is not None and args.budget > MAX_BUDGET:  # before the run folder is made, which would block a rerun
         raise ValueError(f"--budget {args.budget} must be at most {MAX_BUDGET} drafted nodes.")
     return OnPolicyConfig(prompts=args.prompts[0], **given)
 
