@@ -90,7 +90,7 @@ def test_drafter_method_with_a_saved_drafter_matches_greedy_ar(tmp_path, capsys)
                          training={"loss": "none"})
     assert main(args + ["--method", "treespark", "--drafter", str(other)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("treespark: error: ") and "d_model" in err and "\n" not in err
+    assert err.startswith("treespark generate: error: ") and "d_model" in err and "\n" not in err
 
 
 def test_drafting_flags_reach_the_round_and_keep_greedy_output(tmp_path, capsys):
@@ -132,7 +132,7 @@ def test_drafting_flags_reach_the_round_and_keep_greedy_output(tmp_path, capsys)
 def test_bad_input_is_one_sentence_and_exit_2(preset, capsys, flags, message):
     assert main(["generate", "--preset", preset] + flags) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("treespark: error: ") and message in err and "\n" not in err
+    assert err.startswith("treespark generate: error: ") and message in err and "\n" not in err
 
 
 def test_a_corrupt_drafter_is_refused_in_one_line_and_the_process_exits_cleanly(preset, tmp_path):
@@ -153,7 +153,7 @@ def test_a_corrupt_drafter_is_refused_in_one_line_and_the_process_exits_cleanly(
                            "--max-new-tokens", "2", "--drafter", str(bad)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"treespark: error: drafter checkpoint {bad} is corrupt: params/{_largest(bad)} does not match the "
+        f"treespark generate: error: drafter checkpoint {bad} is corrupt: params/{_largest(bad)} does not match the "
         "sha256 recorded in drafter.json (copy or train it again)."], proc.stderr
 
 
@@ -179,7 +179,7 @@ def test_a_refused_file_system_call_is_one_line_and_exit_1(capsys, monkeypatch):
 
     monkeypatch.setattr(models, "run", refuse)
     assert main(["models", "list"]) == 1
-    assert capsys.readouterr().err == "treespark: error: cannot access /root/x.json: Permission denied.\n"
+    assert capsys.readouterr().err == "treespark models: error: cannot access /root/x.json: Permission denied.\n"
 
 
 def test_api_refuses_prompts_that_are_not_text_or_are_blank_chat_turns(preset, unchecked):
@@ -231,7 +231,7 @@ def test_self_prompts_bad_input_is_one_sentence_and_exit_2(capsys, tmp_path, fla
     out = tmp_path / "p.jsonl"
     assert main(["self-prompts", "--preset", "no-such-model", *flags, "--json-out", str(out)]) == 2  # before any load
     err = capsys.readouterr().err.strip()
-    assert err.startswith("treespark: error: ") and message in err and "\n" not in err and not out.exists()
+    assert err.startswith("treespark self-prompts: error: ") and message in err and "\n" not in err and not out.exists()
 
 
 def test_flags_share_one_vocabulary_across_commands(capsys):
@@ -280,8 +280,36 @@ def test_help_shows_the_defaults_it_has(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    # a help that says its default already is left as it is (--max-new-tokens); --drafter has none to say
-    assert "cap per reply (default 128)" in text and "(default: 128)" not in text and "(default: None)" not in text
+    # --drafter (repeatable, none given) has no default to say; --split's own help says its default
+    assert "cap per reply (default: 128)" in text and "(default: [])" not in text and "(default: None)" not in text
+    assert "(default: eval, the held-out prompts)" in text
+    with pytest.raises(SystemExit):
+        main(["self-prompts", "--help"])
+    assert "(default: )" not in capsys.readouterr().out  # --user-prefix is empty by default
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"treespark {treespark_jax.__version__}\n"
+
+
+def test_api_fields_and_paths_are_named_by_their_flags_before_any_work(capsys, tmp_path, no_target_load):
+    (tmp_path / "file").write_text("a file")
+    folder = tmp_path / "file"
+    for argv, line in (
+            (["bench", "--budgets", "4,0"],
+             "treespark bench: error: --budgets 0 must be a whole number of drafted nodes between 1 and 1024."),
+            (["train", "--rollouts", "x", "--loss", "dspark", "--out", str(tmp_path / "r"), "--lr", "-1"],
+             "treespark train: error: --lr -1.0 must be positive."),
+            (["bench", "--json-out", str(folder / "b.json")],
+             f"treespark bench: error: --json-out {folder / 'b.json'}: {folder} is a file, not a folder.")):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == line + "\n"
+    for argv in (["eval-drafter", "--drafter", "", "--rollouts", "x"], ["train", "--rollouts", "x", "--loss", "dspark",
+                                                                       "--out", " "], ["bench", "--json-out", ""]):
+        with pytest.raises(SystemExit) as refused:  # a blank path would name the current folder
+            main(argv)
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and "is blank, which would name the current folder; give a path" in err, err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.fixture
@@ -306,7 +334,7 @@ def test_eval_drafter_names_what_it_was_given_before_the_target_loads(capsys, tm
              "rollouts.txt' is a file, not a directory; pass the folder `treespark rollout --out DIR` wrote.")):
         assert main(["eval-drafter", *flags]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith("treespark: error: ") and err.endswith(message) and "\n" not in err
+        assert err.startswith("treespark eval-drafter: error: ") and err.endswith(message) and "\n" not in err
 
 
 def test_rollout_settings_and_an_unwritable_json_out_are_refused_before_any_work(capsys, tmp_path, no_target_load):
@@ -346,3 +374,14 @@ def test_generation_config_is_checked_when_made_and_names_unknown_settings(unche
     config = GenerationConfig(method="treespark", builder="chain", temperature=0.5)
     assert config.autoregressive() == GenerationConfig(method="ar", temperature=0.5)
     assert not config.greedy and GenerationConfig.of(config, temperature=0).greedy
+
+
+def test_generate_refuses_what_it_can_see_before_the_target_loads(capsys, tmp_path, no_target_load):
+    for flags, message in ((["--prompt", ""], "the prompt is empty"),
+                           (["--prompt", " ", "--chat"], "the prompt is empty"),
+                           (["--prompt", "hi", "--drafter", str(tmp_path / "none")], "does not exist or is not a"),
+                           (["--prompt", "hi", "--drafter", str(tmp_path)], "has neither drafter.json"),
+                           (["--prompt", "hi", "--method", "ar", "--drafter", "random"], "uses no block drafter")):
+        assert main(["generate", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("treespark generate: error: ") and message in err and err.count("\n") == 1, err

@@ -318,7 +318,7 @@ def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
     (["--contexts", "64,x"], "--contexts '64,x' must be comma-separated integers"),
     (["--contexts", "64,,256"], "--contexts '64,,256' has an empty entry"),
     (["--contexts", "256,64"], "contexts 256, 64 must be in strictly ascending order"),
-    (["--budget", "0"], "budget=0 must be a whole number of drafted nodes between 1 and 1024"),
+    (["--budget", "0"], "--budget 0 must be a whole number of drafted nodes between 1 and 1024"),
     (["--repeats", "0"], "--repeats 0 must be at least 1"),
     (["--json-out", "/nonexistent-folder/x.json"], "--json-out /nonexistent-folder/x.json: its folder does not exist"),
     (["--json-out", "."], "--json-out . is a directory; give a file path"),
@@ -326,7 +326,7 @@ def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
 def test_profile_bad_input_is_one_sentence_and_exit_2(capsys, flags, message):
     assert main(["profile"] + flags) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("treespark: error: ") and message in err and "\n" not in err
+    assert err.startswith("treespark profile: error: ") and message in err and "\n" not in err
 
 
 def test_the_stop_reads_the_raw_medians_for_deterministic_trees_and_the_fit_for_sampled_ones():

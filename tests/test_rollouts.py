@@ -370,7 +370,7 @@ def test_cli_rollout_on_a_tiny_target(tmp_path, tiny_dir, prompt_file, baseline,
                                                     "layers below 8")]:
         assert main(args + flags) == 2
         err = capsys.readouterr().err
-        assert err.startswith("treespark: error: ") and err.count("\n") == 1, err
+        assert err.startswith("treespark rollout: error: ") and err.count("\n") == 1, err
         assert re.search(message, err), err
 
 
@@ -460,7 +460,7 @@ def test_output_paths_that_cannot_be_written_are_one_sentence_errors(tmp_path, c
     args = [a.format(file=tmp_path / "f", dir=tmp_path) for a in command]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("treespark: error: ") and err.count("\n") == 1, err
+    assert err.startswith(f"treespark {command[0]}: error: ") and err.count("\n") == 1, err
     assert (tmp_path / "f").read_text() == "not a directory"
 
 
@@ -478,7 +478,7 @@ def test_output_paths_that_cannot_be_written_are_one_sentence_errors(tmp_path, c
 def test_count_flags_are_named_as_typed_before_anything_loads(tmp_path, capsys, command, message):
     assert main([a.format(dir=tmp_path) for a in command]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("treespark: error: ") and err.count("\n") == 1, err
+    assert err.startswith(f"treespark {command[0]}: error: ") and err.count("\n") == 1, err
     assert re.search(message, err), err
     assert not (tmp_path / "r").exists()
 

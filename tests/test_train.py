@@ -176,7 +176,7 @@ def test_exact_resume_in_a_new_process(tmp_path, monkeypatch, rollouts):
         return place(local, mesh)
 
     monkeypatch.setattr(loop, "global_batch", crash_at_13)
-    assert main(_cli(*common, "--out", parts)) == 130  # Ctrl-C: "treespark: interrupted."
+    assert main(_cli(*common, "--out", parts)) == 130  # Ctrl-C: "treespark train: interrupted."
     monkeypatch.undo()
     assert sorted(int(p.name) for p in (parts / "checkpoints").iterdir() if p.name.isdigit()) == [5, 10]
     assert not (parts / "drafter").exists()  # nothing looks finished
@@ -220,7 +220,7 @@ def other_rollouts(tmp_path_factory) -> tuple[Path, Path]:
 
 def _assert_clean_error(capsys, rc: int, out: Path, *words: str) -> None:
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and err.startswith("treespark: error: ") and "\n" not in err and err.endswith("."), err
+    assert rc == 2 and err.startswith("treespark train: error: ") and "\n" not in err and err.endswith("."), err
     assert "Traceback" not in err and all(w in err for w in words), err
     assert not (out / "checkpoints").exists() and not (out / "drafter").exists()
 
@@ -279,7 +279,12 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
         (["--rollouts", rollouts, "--loss", "dspark", "--init-layers", "99"], ("initial layers [99]",)),
         (["--rollouts", rollouts, "--loss", "dspark", "--init", tmp_path, "--init-layers", "0"],
          ("--init and --init-layers",)),
-        (["--rollouts", rollouts, "--loss", "dspark", "--draft-vocab", "4"], ("draft_vocab=4", "pool size")),
+        # API fields are named by their flags: the drafter's (checked in `train`) and TrainConfig's
+        (["--rollouts", rollouts, "--loss", "dspark", "--draft-vocab", "4"], ("--draft-vocab 4", "pool size")),
+        (["--rollouts", rollouts, "--loss", "dspark", "--drafter-layers", "9"], ("--drafter-layers 9", "1 and 5")),
+        (["--rollouts", rollouts, "--loss", "dspark", "--block-size", "0"], ("--block-size 0", "at least 1")),
+        (["--rollouts", rollouts, "--loss", "dspark", "--lr", "-1"], ("--lr -1.0 must be positive",)),
+        (["--rollouts", rollouts, "--loss", "dspark", "--keep", "0"], ("--keep 0", "at least 1")),
     ]
     for args, words in cases:
         _assert_clean_error(capsys, main(_cli(*args, *base)), out, *words)

@@ -34,7 +34,7 @@ from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafters import default_method, shipped_drafter
 from treespark_jax.generation import GenerationConfig
 from treespark_jax.mesh import MeshShape, make_mesh
-from treespark_jax.methods import drafter_config, recipe, speculation
+from treespark_jax.methods import check_drafter_use, drafter_config, recipe, speculation
 from treespark_jax.models.load import Target, load_target
 from treespark_jax.models.presets import DEFAULT_PRESET
 from treespark_jax.models.stream_decode import StreamDecoder
@@ -93,9 +93,8 @@ class TreeSpark:
             checkpoint made for another target, or a missing/corrupt checkpoint.
         """
         r = recipe(method)
+        check_drafter_use(method, drafter)
         if r.proposer != "block":
-            if drafter is not None:
-                raise ValueError(f"method {method!r} uses no block drafter; drop the drafter {drafter!r}.")
             return None
         if drafter is None:
             shipped = shipped_drafter(self.target.name, r.drafter_loss)
@@ -174,10 +173,7 @@ class TreeSpark:
         Raises:
           ValueError: ``prompt`` is not a ``str``, or is empty (blank, for a chat turn).
         """
-        if not isinstance(prompt, str):
-            raise ValueError(f"a prompt must be text (str), not {type(prompt).__name__}.")
-        if not (prompt.strip() if chat else prompt):
-            raise ValueError("the prompt is empty; give at least one character of text.")
+        check_prompt(prompt, chat)
         if chat:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(text, add_special_tokens=False)
@@ -232,6 +228,19 @@ class TreeSpark:
         tail = decoder.flush()
         if tail:
             yield tail
+
+
+def check_prompt(prompt: str, chat: bool = False) -> None:
+    """Checks a prompt before anything is loaded or encoded: text, and not empty (not blank, for a chat
+    turn; a raw prompt of spaces is text the target can continue).
+
+    Raises:
+      ValueError: ``prompt`` is not a ``str``, or is empty (blank, for a chat turn).
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"a prompt must be text (str), not {type(prompt).__name__}.")
+    if not (prompt.strip() if chat else prompt):
+        raise ValueError("the prompt is empty; give at least one character of text.")
 
 
 def _same_arrays(a: list | None, b: list | None) -> bool:

@@ -5,10 +5,36 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Literal
 
 import jax.numpy as jnp
+
+
+MAX_BUDGET = 1024
+"""Largest tree budget N accepted (drafted nodes per round). One round verifies N + 1 rows
+against the whole KV cache; a budget of 100,000 asked the CPU for a terabyte before it failed."""
+
+
+def check_budget(budget: int) -> None:
+    """Raises ``ValueError`` (one sentence) for a tree budget outside ``1..MAX_BUDGET``."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget={budget} must be a whole number of drafted nodes between 1 and {MAX_BUDGET}.")
+
+
+def check_temperature_top_p(temperature: float, top_p: float) -> None:
+    """Checks a decode's temperature and nucleus mass (every decode: ``GenerationConfig``, rollouts,
+    online training's ``OnPolicyConfig``).
+
+    Raises:
+      ValueError: a negative or infinite temperature, or ``top_p`` outside ``(0, 1]`` (one sentence).
+    """
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature {temperature} is negative or not finite; use 0 for greedy or a positive value.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} is outside (0, 1].")
+
 
 Family = Literal["llama", "qwen2", "qwen3"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
@@ -334,7 +360,7 @@ class TrainConfig:
         if self.trees < 0:
             raise ValueError(f"trees={self.trees} logged trees per sequence must be 0 or more.")
         if self.tree_share is not None and not 0 < self.tree_share < 1:
-            raise ValueError(f"--tree-share {self.tree_share} must lie strictly between 0 and 1.")
+            raise ValueError(f"tree_share={self.tree_share} must lie strictly between 0 and 1.")
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive.")
@@ -391,15 +417,11 @@ class OnPolicyConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
-        for name, flag in (("interval", "--tree-interval"), ("buffer", "--tree-buffer"),
-                           ("decode_prompts", "--decode-prompts"), ("budget", "--budget"),
-                           ("max_new_tokens", "--max-new-tokens")):
+        for name in ("interval", "buffer", "decode_prompts", "max_new_tokens"):
             if not getattr(self, name) >= 1:
-                raise ValueError(f"{flag} {getattr(self, name)} must be at least 1.")
-        if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"--temperature {self.temperature} must be 0 (greedy) or a positive finite number.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p {self.top_p} must be in (0, 1].")
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
+        check_budget(self.budget)
+        check_temperature_top_p(self.temperature, self.top_p)
 
     def decode_method(self, loss: str) -> str:
         """The decode's method for a drafter trained with ``loss`` (``method`` or its default)."""

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from treespark_jax.config import Builder, parse_enum, sampling_rule
+from treespark_jax.config import Builder, check_budget, parse_enum, sampling_rule
 from treespark_jax.decode.engine import check_sampling
-from treespark_jax.methods import DEFAULT_BUDGET, check_budget, recipe
+from treespark_jax.methods import DEFAULT_BUDGET, recipe
 
 if TYPE_CHECKING:
     from treespark_jax.drafter.model import BlockDrafter

@@ -23,10 +23,10 @@ cost-aware stop unless ``cost_aware_stop=False``); the drafter is passed by the 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import TYPE_CHECKING
 
-from treespark_jax.config import Builder, DrafterConfig, ModelConfig, TreeConfig, VerifyRule, parse_enum
+from treespark_jax.config import (Builder, DrafterConfig, ModelConfig, TreeConfig, VerifyRule, check_budget,
+                                  parse_enum)
 
 if TYPE_CHECKING:  # the registry itself stays importable without JAX (the CLI's --help)
     from treespark_jax.decode.plan import Speculation
@@ -99,15 +99,11 @@ def drafter_config(loss: str, target: ModelConfig, **fields) -> DrafterConfig:
     return DrafterConfig.for_target(target, **{**heads[loss], **fields})
 
 
-MAX_BUDGET = 1024
-"""Largest tree budget N accepted (drafted nodes per round). One round verifies N + 1 rows
-against the whole KV cache; a budget of 100,000 asked the CPU for a terabyte before it failed."""
-
-
-def check_budget(budget: int) -> None:
-    """Raises ``ValueError`` (one sentence) for a tree budget outside ``1..MAX_BUDGET``."""
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_BUDGET:
-        raise ValueError(f"budget={budget} must be a whole number of drafted nodes between 1 and {MAX_BUDGET}.")
+def check_drafter_use(method: str, drafter: object) -> None:
+    """Raises ``ValueError`` (one sentence) for a drafter (anything but ``None``) given to a method that
+    uses no block drafter (``ar``, ``prompt_lookup``)."""
+    if drafter is not None and recipe(method).proposer != "block":
+        raise ValueError(f"method {method!r} uses no block drafter; drop the drafter {drafter!r}.")
 
 
 def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,

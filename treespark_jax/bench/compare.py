@@ -37,10 +37,11 @@ import numpy as np
 
 from treespark_jax.api import TreeSpark
 from treespark_jax.bench.greedy_check import first_divergence
+from treespark_jax.config import check_budget
 from treespark_jax.decode.session import Session
 from treespark_jax.decode.stats import GenerationStats, depth_rates
 from treespark_jax.generation import GenerationConfig
-from treespark_jax.methods import METHODS, check_budget, recipe
+from treespark_jax.methods import METHODS, recipe
 
 
 @dataclasses.dataclass

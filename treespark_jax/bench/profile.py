@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from treespark_jax.config import DrafterConfig, TreeConfig, VerifyRule, default_ladder, default_layer_ids
+from treespark_jax.config import (DrafterConfig, TreeConfig, VerifyRule, check_budget, default_ladder,
+                                  default_layer_ids)
 from treespark_jax.decode.ar import decode_mask
 from treespark_jax.decode.buckets import cache_capacity
 from treespark_jax.decode.cost_model import CostModel
@@ -25,7 +26,7 @@ from treespark_jax.decode.cost_store import current_device_kind
 from treespark_jax.drafter.block_proposer import BlockProposer
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafter.proposer import Committed
-from treespark_jax.methods import TREE_BRANCH, check_budget, drafter_config
+from treespark_jax.methods import TREE_BRANCH, drafter_config
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.tree.builders import build_tree

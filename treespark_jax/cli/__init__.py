@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from treespark_jax import __version__
+
 from treespark_jax.cli import (bench, eval_drafter, export_drafter, generate, models, profile, rollout, self_prompts,
                                train)
 
@@ -34,12 +36,12 @@ _COMMANDS = {"generate": generate, "bench": bench, "models": models, "profile": 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
     """``--help`` ends each option's help with its default, unless the help already says it or
-    there is none to say (``None``, ``False``, a flag that takes no value)."""
+    there is none to say (``None``, ``False``, an empty text or list, a flag that takes no value)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.option_strings and action.nargs != 0 and action.default not in (None, False, argparse.SUPPRESS)
-                and "default" not in text):
+        if (action.option_strings and action.nargs != 0
+                and action.default not in (None, False, "", [], argparse.SUPPRESS) and "default" not in text):
             text += " (default: %(default)s)"
         return text
 
@@ -61,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = _ExactParser(
         prog="treespark",
         description="Lossless tree speculative decoding with a learned block drafter (JAX/Flax).")
+    parser.add_argument("--version", action="version", version=f"treespark {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in _COMMANDS.values():
         command.add_parser(sub)
@@ -75,24 +78,25 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
       0 on success, 2 when a command raised ``ValueError`` (its message goes to stderr as
-      ``treespark: error: ...``), 1 when the file system refused a read or write (``OSError``,
-      one line naming the file), 130 on Ctrl-C (``treespark: interrupted.``). Bad flags exit 2
-      through argparse (``SystemExit``).
+      ``treespark COMMAND: error: ...``, as argparse words a bad flag), 1 when the file system
+      refused a read or write (``OSError``, one line naming the file), 130 on Ctrl-C
+      (``treespark COMMAND: interrupted.``). Bad flags exit 2 through argparse (``SystemExit``).
     """
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
+    command = parser._subparsers._group_actions[0].choices[args.command]
     if extra:  # refused by the subcommand's parser, so the message names it and its --help
-        parser._subparsers._group_actions[0].choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         _COMMANDS[args.command].run(args)
     except ValueError as e:  # user errors (AssetError is a ValueError too)
-        print(f"treespark: error: {e}", file=sys.stderr)
+        print(f"{command.prog}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the file system refused (a folder that cannot be written, a full disk)
         where = f" {e.filename}" if e.filename else ""
-        print(f"treespark: error: cannot access{where}: {e.strerror or e}.", file=sys.stderr)
+        print(f"{command.prog}: error: cannot access{where}: {e.strerror or e}.", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: what is written is whole (files.py); a rerun resumes or redoes
-        print("treespark: interrupted.", file=sys.stderr)
+        print(f"{command.prog}: interrupted.", file=sys.stderr)
         return 130
     return 0

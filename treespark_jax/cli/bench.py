@@ -9,7 +9,7 @@ import platform
 import sys
 
 from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_at_least, check_out_file,
-                                      comma_list, generation_config, target_name)
+                                      comma_list, generation_config, named_by_flag, path_arg, target_name)
 from treespark_jax.methods import DRAFTER_METHODS, METHODS
 
 ALL_METHODS = ",".join(METHODS)
@@ -24,23 +24,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "compiles and greedy equality with AR (near-ties reported).")
     add_target_args(b)
     b.add_argument("--prompts", default="gsm8k", metavar="SET|FILE.jsonl",
-                   help="a prompt set (humaneval, gsm8k, mtbench) or a JSONL file with a \"prompt\" per line "
-                        "(default gsm8k)")
+                   help="a prompt set (humaneval, gsm8k, mtbench) or a JSONL file with a \"prompt\" per line")
     b.add_argument("--split", default=None, choices=("train", "eval", "all"),
-                   help="split of a prompt set (default eval: the held-out prompts); not for a file")
-    b.add_argument("--limit", type=int, default=32, help="first prompts of the split to run (default 32)")
-    b.add_argument("--methods", default=ALL_METHODS, help=f"comma-separated methods (default {ALL_METHODS})")
-    b.add_argument("--budgets", default="4,8,16,32", help="comma-separated tree budgets N (default 4,8,16,32)")
-    b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    b.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
-    b.add_argument("--max-new-tokens", type=int, default=128, help="cap per reply (default 128)")
-    b.add_argument("--repeats", type=int, default=3, help="interleaved passes over the prompts (default 3)")
-    b.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+                   help="split of a prompt set (default: eval, the held-out prompts); not for a file")
+    b.add_argument("--limit", type=int, default=32, help="first prompts of the split to run")
+    b.add_argument("--methods", default=ALL_METHODS, help="comma-separated methods")
+    b.add_argument("--budgets", default="4,8,16,32", help="comma-separated tree budgets N")
+    b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    b.add_argument("--max-new-tokens", type=int, default=128, help="cap per reply")
+    b.add_argument("--repeats", type=int, default=3, help="interleaved passes over the prompts")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed")
     b.add_argument("--drafter", action="append", default=[], metavar="METHOD=PATH",
                    help="drafter checkpoint for one method (repeatable; default the shipped drafters)")
     add_override_args(b, "every drafter method's")
     add_mesh_arg(b)
-    b.add_argument("--json-out", default=None, metavar="FILE", help="also write protocol and rows as JSON")
+    b.add_argument("--json-out", default=None, metavar="FILE", type=path_arg,
+                   help="also write protocol and rows as JSON")
 
 
 def _drafters(pairs: list[str]) -> dict[str, str]:
@@ -58,7 +58,7 @@ def _fmt(x, spec: str) -> str:
 
 
 def print_table(rows: list[dict], file=None) -> None:
-    """The rows as a fixed-width table (τ per depth up to depth 4) on ``file`` (default stdout)."""
+    """The rows as a fixed-width table (τ per depth up to depth 4) on ``file`` (default: stdout)."""
     file = file or sys.stdout
     print(f"{'method':<14}{'budget':>6} {'tau':>5} {'speedup':>8} {'±iqr':>5} {'tok/s':>6} {'compiles':>8} "
           f"{'greedy=':>7}  α per depth", file=file)
@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.prompts.load import load_prompts
     from treespark_jax.prompts.sets import PROMPT_SETS
 
-    check_methods(methods, budgets)
+    with named_by_flag(budget="--budgets"):
+        check_methods(methods, budgets)
     config = generation_config(args, drafter=None)  # each drafter method's comes from --drafter METHOD=PATH
     split = args.split or ("eval" if args.prompts in PROMPT_SETS else None)
     records = load_prompts(args.prompts, split)[: args.limit]

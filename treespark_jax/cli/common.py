@@ -10,6 +10,7 @@ directory and ``--json-out FILE`` always a file."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import tempfile
 from collections.abc import Callable
@@ -28,7 +29,7 @@ def add_target_args(p: argparse.ArgumentParser, default: str = f"default {DEFAUL
     ``default`` says what a command does without either."""
     group = p.add_mutually_exclusive_group()
     group.add_argument("--preset", default=None, help=f"offline preset ({', '.join(PRESETS)}; {default})")
-    group.add_argument("--target", default=None, metavar="PATH",
+    group.add_argument("--target", default=None, metavar="PATH", type=path_arg,
                        help="a GGUF file or a Hugging Face directory (config.json + *.safetensors)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"),
                    help="compute dtype (float32 on CPU, bfloat16 on GPU/TPU)")
@@ -71,14 +72,32 @@ def generation_config(args: argparse.Namespace, **fields):
 
     check_at_least(args, max_new_tokens=1)
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
-    try:
+    with named_by_flag(**{name: flag_of(name) for name in flags}):
         return GenerationConfig(**{**flags, **fields})
-    except ValueError as e:  # the API names a setting as `top_p=0.0`; say it as the flag was typed: `--top-p 0.0`
+
+
+def flag_of(field: str) -> str:
+    """The flag of an API field of the same name: ``top_p`` → ``--top-p``."""
+    return "--" + field.replace("_", "-")
+
+
+@contextlib.contextmanager
+def named_by_flag(**flags: str):
+    """Within the block, a ``ValueError`` whose sentence starts with an API field (``top_p=0.0 is ...``
+    or ``temperature -1.0 is ...``) among ``flags`` (field → flag) is re-raised naming the flag as typed
+    (``--top-p 0.0 is ...``); any other error passes unchanged.
+
+    Raises:
+      ValueError: the error raised in the block, reworded as above.
+    """
+    try:
+        yield
+    except ValueError as e:
         text = str(e)
-        name = next((n for n in flags if re.match(rf"{n}[= ]", text)), None)
-        if name is None:
+        field = next((f for f in flags if re.match(rf"{f}[= ]", text)), None)
+        if field is None:
             raise
-        raise ValueError(f"--{name.replace('_', '-')} {text[len(name) + 1:]}") from None
+        raise ValueError(f"{flags[field]} {text[len(field) + 1:]}") from None
 
 
 def check_at_least(args: argparse.Namespace, **lows: int) -> None:
@@ -91,7 +110,7 @@ def check_at_least(args: argparse.Namespace, **lows: int) -> None:
     for name, low in lows.items():
         value = getattr(args, name)
         if value is not None and value < low:
-            raise ValueError(f"--{name.replace('_', '-')} {value} must be at least {low}.")
+            raise ValueError(f"{flag_of(name)} {value} must be at least {low}.")
 
 
 def comma_list(flag: str, text: str, cast: Callable[[str], Any] = str) -> list:
@@ -117,6 +136,18 @@ def target_name(args: argparse.Namespace) -> str:
     return args.target or args.preset or DEFAULT_PRESET
 
 
+def path_arg(text: str) -> str:
+    """argparse ``type`` of every path flag: the text unchanged, unless it is blank (which would name
+    the current folder).
+
+    Raises:
+      argparse.ArgumentTypeError: for a blank path (argparse names the flag).
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is blank, which would name the current folder; give a path")
+    return text
+
+
 def check_out_file(flag: str, value: str | None) -> None:
     """Checks an output file flag before any slow work: its folder must exist and take a file (probed
     with a temporary file, removed at once), and it must not be a directory.
@@ -130,6 +161,9 @@ def check_out_file(flag: str, value: str | None) -> None:
     if path.is_dir():
         raise ValueError(f"{flag} {value} is a directory; give a file path.")
     if not path.parent.is_dir():
+        blocker = next((p for p in path.parents if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise ValueError(f"{flag} {value}: {blocker} is a file, not a folder.")
         raise ValueError(f"{flag} {value}: its folder does not exist.")
     try:  # a real write: os.access says yes to root on read-only file systems such as /sys
         with tempfile.TemporaryFile(dir=path.parent):

@@ -6,9 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from treespark_jax.cli.common import ALPHA_NOTE, check_at_least, check_out_file
-from treespark_jax.config import BUILDERS
-from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, MAX_BUDGET, recipe
+from treespark_jax.cli.common import ALPHA_NOTE, check_at_least, check_out_file, path_arg
+from treespark_jax.config import BUILDERS, MAX_BUDGET
+from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, recipe
 from treespark_jax.models.presets import DEFAULT_PRESET
 
 
@@ -18,15 +18,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "eval-drafter", help="offline τ of a drafter on held-out rollouts (no target forward)",
         description="Expected chain τ (1 + Σ_j Π_{i≤j} α_i, α = 1 − ½‖q − p‖₁) and, for greedy rollouts, "
                     "the tree τ of a builder (1 + the longest gold prefix contained in its tree).")
-    ev.add_argument("--drafter", required=True, metavar="PATH", help="drafter checkpoint directory")
-    ev.add_argument("--rollouts", required=True, nargs="+", metavar="DIR", help="held-out rollout directories")
+    ev.add_argument("--drafter", required=True, metavar="PATH", type=path_arg, help="drafter checkpoint directory")
+    ev.add_argument("--rollouts", required=True, nargs="+", metavar="DIR", type=path_arg,
+                    help="held-out rollout directories")
     ev.add_argument("--method", default="treespark", choices=DRAFTER_METHODS,
                     help="recipe whose tree shape is evaluated (builder, branch, depth)")
     ev.add_argument("--builder", default=None, choices=BUILDERS, help="override the recipe's builder")
     ev.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="tree budget N (0: chain τ only)")
     ev.add_argument("--anchors", type=int, default=32, help="anchors per rollout (seeded)")
     ev.add_argument("--batch-size", type=int, default=4, help="rollouts per evaluation batch")
-    ev.add_argument("--json-out", default=None, metavar="FILE", help="also write the metrics as JSON")
+    ev.add_argument("--json-out", default=None, metavar="FILE", type=path_arg, help="also write the metrics as JSON")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from treespark_jax.cli.common import path_arg
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Adds the ``export-drafter`` command to ``sub``."""
@@ -12,11 +14,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Writes safetensors + config.json + README.md that the dflash package, SGLang (dflash) or "
                     "vLLM (speculators) load. A head the format cannot hold (the TreeSpark edge head) is named in a "
                     "warning and in README.md; a drafter the format cannot express is refused (docs/formats.md).")
-    ex.add_argument("--drafter", required=True, metavar="SRC",
+    ex.add_argument("--drafter", required=True, metavar="SRC", type=path_arg,
                     help="drafter directory: ours, or a DFlash/speculators one (converted)")
     ex.add_argument("--format", required=True, choices=("dflash", "speculators"), help="format to write")
-    ex.add_argument("--out", required=True, metavar="DIR", help="directory to create")
-    ex.add_argument("--target", default=None, metavar="NAME_OR_PATH",
+    ex.add_argument("--out", required=True, metavar="DIR", type=path_arg, help="directory to create")
+    ex.add_argument("--target", default=None, metavar="NAME_OR_PATH", type=path_arg,
                     help="the drafter's target (default: the one our checkpoint records; needed for other formats)")
     ex.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
 

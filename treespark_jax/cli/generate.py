@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from treespark_jax.cli.common import add_mesh_arg, add_override_args, add_target_args, generation_config, target_name
+from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, generation_config, path_arg,
+                                      target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, METHODS
 
 
@@ -27,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                           "one, else ar)")
     gen.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                      help="maximum drafted tree nodes per round (speculative methods)")
-    gen.add_argument("--drafter", default=None, metavar="PATH",
+    gen.add_argument("--drafter", default=None, metavar="PATH", type=path_arg,
                      help=f"drafter directory for {', '.join(DRAFTER_METHODS)}: ours, z-lab DFlash or speculators "
                           "DFlash/DSpark (docs/formats.md; default: the one shipped for the preset), or 'random' "
                           "(an untrained drafter, for checks)")
@@ -49,11 +50,20 @@ def run(args: argparse.Namespace) -> None:
     Raises:
       ValueError: bad input found by ``api.load`` or ``generate`` (an unknown preset, a corrupt
         download, a bad ``--mesh``, a prompt longer than the context, bad sampling or tree
-        settings, a bad drafter).
+        settings, a bad drafter); an empty prompt, sampling settings, a ``--drafter`` that is not a
+        drafter directory and a drafter given to a method without one are refused before the target loads.
     """
-    from treespark_jax.api import load
+    from treespark_jax.api import check_prompt, load
+    from treespark_jax.drafter.formats import detect
+    from treespark_jax.methods import check_drafter_use
 
-    config = generation_config(args)  # checked before the seconds of loading
+    # checked before the seconds of loading
+    check_prompt(args.prompt, args.chat)
+    config = generation_config(args)
+    if args.method is not None:
+        check_drafter_use(args.method, args.drafter)
+    if args.drafter not in (None, "random"):
+        detect(args.drafter)
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
     method = args.method or lm.default_method
     config = config.replace(method=method)

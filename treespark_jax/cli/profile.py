@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treespark_jax.cli.common import add_target_args, check_at_least, check_out_file, comma_list, target_name
+from treespark_jax.cli.common import (add_target_args, check_at_least, check_out_file, comma_list, named_by_flag,
+                                      path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET
 
 
@@ -24,10 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--contexts", default="64,256,1024",
                       help="comma-separated ascending context lengths (key positions, tokens)")
     prof.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (median)")
-    prof.add_argument("--drafter", default=None, metavar="PATH",
+    prof.add_argument("--drafter", default=None, metavar="PATH", type=path_arg,
                       help="drafter checkpoint whose round is timed (default: the treespark drafter shipped "
                            "for the preset), or 'random' (an untrained one drafting from the whole vocabulary)")
-    prof.add_argument("--json-out", default=None, metavar="FILE", help="write the profile here instead")
+    prof.add_argument("--json-out", default=None, metavar="FILE", type=path_arg, help="write the profile here instead")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -45,7 +46,8 @@ def run(args: argparse.Namespace) -> None:
 
     contexts = tuple(comma_list("--contexts", args.contexts, int))
     check_at_least(args, repeats=1)
-    check_profile_args(args.budget, contexts, args.repeats)  # before the slow load
+    with named_by_flag(budget="--budget"):
+        check_profile_args(args.budget, contexts, args.repeats)  # before the slow load
     check_out_file("--json-out", args.json_out)
     name = target_name(args)
     target = load_target(name, args.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, comma_list, generation_config,
-                                      target_name)
+                                      path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
 
@@ -22,16 +22,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ro.add_argument("--prompts", required=True, metavar="SET|FILE",
                     help="prompt set (humaneval, gsm8k, mtbench) or a JSONL file with a \"prompt\" per line")
     ro.add_argument("--split", default=None, choices=("train", "eval", "all"),
-                    help="split of a prompt set (default train); a JSONL file is always used whole")
+                    help="split of a prompt set (default: train); a JSONL file is always used whole")
     ro.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
-    ro.add_argument("--out", required=True, metavar="DIR",
+    ro.add_argument("--out", required=True, metavar="DIR", type=path_arg,
                     help="rollout directory (created; one holding a manifest is resumed)")
     ro.add_argument("--max-new-tokens", type=int, default=256, help="cap on response tokens per prompt")
     ro.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     ro.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
     ro.add_argument("--seed", type=int, default=0, help="base seed (each prompt's seed derives from it)")
     ro.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch and per shard")
-    ro.add_argument("--drafter", default=None, metavar="PATH",
+    ro.add_argument("--drafter", default=None, metavar="PATH", type=path_arg,
                     help="generate speculatively with this drafter checkpoint (or 'random')")
     ro.add_argument("--method", default="treespark", choices=DRAFTER_METHODS,
                     help="speculative method used with --drafter")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import add_mesh_arg, add_target_args, check_at_least, check_out_file, target_name
+from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, check_out_file, path_arg,
+                                      target_name)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "object per line: the format `treespark rollout --prompts FILE.jsonl` reads.")
     add_target_args(sp)
     sp.add_argument("--limit", type=int, required=True, metavar="N", help="prompts wanted")
-    sp.add_argument("--json-out", required=True, metavar="FILE.jsonl",
+    sp.add_argument("--json-out", required=True, metavar="FILE.jsonl", type=path_arg,
                     help="new JSONL file (an existing one is refused)")
     sp.add_argument("--seed", type=int, default=0, help="generation seed (row i samples with SeedSequence([seed, i]))")
     sp.add_argument("--max-new-tokens", type=int, default=64, help="cap on the tokens of one user turn")

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import ALPHA_NOTE, add_mesh_arg, add_target_args, check_at_least, comma_list
+from treespark_jax.cli.common import (ALPHA_NOTE, add_mesh_arg, add_target_args, check_at_least, comma_list, flag_of,
+                                      named_by_flag, path_arg)
+
+# API fields whose flag has another name (the others are named alike: lr → --lr)
+_FLAGS = {"batch": "--batch-size", "interval": "--tree-interval", "buffer": "--tree-buffer",
+          "n_layers": "--drafter-layers"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "TREESPARK_DISTRIBUTED=1 on TPU pods/Slurm) and run the same command on every host.")
     add_target_args(tr, default="without either, offline training uses the rollouts' target; --online needs one")
     source = tr.add_mutually_exclusive_group(required=True)
-    source.add_argument("--rollouts", nargs="+", metavar="DIR", help="rollout directories (offline training)")
+    source.add_argument("--rollouts", nargs="+", metavar="DIR", type=path_arg,
+                        help="rollout directories (offline training)")
     source.add_argument("--prompts", nargs="+", metavar="SET|FILE|DIR",
                         help="with --online: a prompt set (gsm8k, humaneval, mtbench; --split) or a JSONL file "
                              "(as `treespark rollout --prompts` reads them), whose answers the target generates on "
@@ -45,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "rollout directories; any loss, treespark included, on a prompt set or file)")
     og = tr.add_argument_group("online decoding (--online --prompts SET|FILE)")
     og.add_argument("--split", default=None, choices=("train", "eval", "all"),
-                    help="split of a prompt set (default train); a JSONL file is used whole")
+                    help="split of a prompt set (default: train); a JSONL file is used whole")
     # Defaults None: a value given without a prompt set or file is refused (on_policy_config).
     og.add_argument("--tree-interval", type=int, metavar="K",
                     help=f"steps between decodes with the current drafter (step 0 decodes first; default "
@@ -56,22 +62,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     og.add_argument("--decode-prompts", type=int, metavar="N",
                     help=f"prompts per decode (one generation batch; default {op.decode_prompts})")
     og.add_argument("--method", choices=DRAFTER_METHODS,
-                    help="speculative method of the decode (default dflash for the dflash loss, else pctree)")
-    og.add_argument("--budget", type=int, metavar="N", help=f"tree budget N of the decode (default {op.budget})")
+                    help="speculative method of the decode (default: dflash for the dflash loss, else pctree)")
+    og.add_argument("--budget", type=int, metavar="N", help=f"tree budget N of the decode (default: {op.budget})")
     og.add_argument("--max-new-tokens", type=int,
-                    help=f"cap on response tokens per decoded prompt (default {op.max_new_tokens})")
+                    help=f"cap on response tokens per decoded prompt (default: {op.max_new_tokens})")
     og.add_argument("--temperature", type=float,
                     help=f"decode temperature (0: greedy, trees verified with the greedy rule; default "
                          f"{op.temperature})")
     og.add_argument("--top-p", type=float,
-                    help=f"decode nucleus mass in (0, 1] (default {op.top_p}; below 1 only without tree terms: "
+                    help=f"decode nucleus mass in (0, 1] (default: {op.top_p}; below 1 only without tree terms: "
                          "dflash and dspark losses)")
     tr.add_argument("--loss", required=True, choices=LOSSES, help="training loss (the drafter's heads follow it)")
-    tr.add_argument("--out", required=True, metavar="DIR", help="run directory (one holding run.json is resumed)")
+    tr.add_argument("--out", required=True, metavar="DIR", type=path_arg,
+                    help="run directory (one holding run.json is resumed)")
     tr.add_argument("--steps", type=int, default=d.steps, help="optimizer steps of the whole run")
     tr.add_argument("--batch-size", type=int, default=d.batch, help="global batch in sequences per step")
     tr.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    tr.add_argument("--warmup", type=int, default=None, help="warm-up steps (default min(100, steps/10))")
+    tr.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: min(100, steps/10))")
     tr.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr of the cosine")
     tr.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay (matrices)")
     tr.add_argument("--clip", type=float, default=d.clip, help="global gradient-norm clip")
@@ -82,12 +89,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--tree-share", type=float, default=None, metavar="F",
                     help="treespark loss: draw this fraction of every batch's sequences from the rollout directories "
                          "with logged trees and the rest from the plain ones (default: uniformly over all records)")
-    tr.add_argument("--block-size", type=int, default=None, help="drafter block size γ (default 8)")
-    tr.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers, 1-5 (default 1)")
+    tr.add_argument("--block-size", type=int, default=None, help="drafter block size γ (default: 8)")
+    tr.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers, 1-5 (default: 1)")
     tr.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                     help="train on (and draft from) the K most frequent tokens of the rollouts, the LM heads "
                          "cut to those columns; 0 = the whole vocabulary (default: the --init drafter's, else 0)")
-    tr.add_argument("--init", default=None, metavar="PATH",
+    tr.add_argument("--init", default=None, metavar="PATH", type=path_arg,
                     help="warm-start from this drafter checkpoint (shared parameters; new heads fresh)")
     tr.add_argument("--init-layers", default=None, metavar="L[,L...]",
                     help="start drafter layer i as a copy of target decoder layer L_i (0-based, one per drafter "
@@ -128,6 +135,12 @@ def parse_loss_weights(text: str | None):
     return LossConfig(**values)
 
 
+def _named_by_flag(fields):
+    """``named_by_flag`` for the API fields ``fields`` (names, or a dict keyed by them): an error names them
+    by their ``train`` flag."""
+    return named_by_flag(**{f: _FLAGS.get(f, flag_of(f)) for f in fields})
+
+
 def on_policy_config(args: argparse.Namespace):
     """``OnPolicyConfig`` when ``--prompts`` names one prompt set (even where a directory of that
     name exists, as ``treespark rollout --prompts`` reads it: ``./gsm8k`` names the directory) or
@@ -136,12 +149,11 @@ def on_policy_config(args: argparse.Namespace):
 
     Raises:
       ValueError: a prompt set or file mixed with other ``--prompts``, an online decoding flag given
-        without one, or a bad online decoding value (``--budget`` above ``methods.MAX_BUDGET`` too).
+        without one, or a bad online decoding value (named by its flag).
     """
     from pathlib import Path
 
     from treespark_jax.config import OnPolicyConfig
-    from treespark_jax.methods import MAX_BUDGET
     from treespark_jax.prompts.sets import PROMPT_SETS
 
     flags = {"split": ("--split", args.split), "interval": ("--tree-interval", args.tree_interval),
@@ -160,9 +172,8 @@ def on_policy_config(args: argparse.Namespace):
     if len(args.prompts) > 1:
         raise ValueError(f"--prompts {' '.join(args.prompts)} mixes a prompt set or file with other values; pass "
                          "one prompt set or JSONL file, or rollout directories only.")
-    if args.budget is not None and args.budget > MAX_BUDGET:  # before the run folder is made, which would block a rerun
-        raise ValueError(f"--budget {args.budget} must be at most {MAX_BUDGET} drafted nodes.")
-    return OnPolicyConfig(prompts=args.prompts[0], **given)
+    with _named_by_flag(given):
+        return OnPolicyConfig(prompts=args.prompts[0], **given)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -185,11 +196,12 @@ def run(args: argparse.Namespace) -> None:
     check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2, tree_interval=1, tree_buffer=1,
                    decode_prompts=1, budget=1, max_new_tokens=1)
     on_policy = on_policy_config(args)
-    cfg = TrainConfig(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
-                      min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip,
-                      seed=args.seed, seq_len=args.seq_len, anchors=args.anchors, trees=args.trees,
-                      tree_share=args.tree_share,
-                      save_every=args.save_every, keep=args.keep, log_every=args.log_every)
+    settings = dict(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
+                    min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
+                    seq_len=args.seq_len, anchors=args.anchors, trees=args.trees, tree_share=args.tree_share,
+                    save_every=args.save_every, keep=args.keep, log_every=args.log_every)
+    with _named_by_flag(settings):
+        cfg = TrainConfig(**settings)
     fields = {k: v for k, v in (("block_size", args.block_size), ("n_layers", args.drafter_layers),
                                 ("draft_vocab", args.draft_vocab)) if v is not None}
     loss_cfg = parse_loss_weights(args.loss_weights)
@@ -198,10 +210,13 @@ def run(args: argparse.Namespace) -> None:
         init_layers = comma_list("--init-layers", args.init_layers, int)
     mesh = parse_mesh(args.mesh)
     enable_compilation_cache()
-    r = train(() if on_policy else args.prompts or args.rollouts, args.loss, args.out, cfg,
-              target=args.target or args.preset, on_policy=on_policy,
-              dtype=args.dtype, drafter_fields=fields, init=args.init, init_layers=init_layers, loss_cfg=loss_cfg,
-              mesh=mesh, stop_after=args.stop_after, progress=not args.quiet, online=args.online)
+    # the drafter's fields, and the online decode's budget, are checked in `train` before run.json is written
+    with _named_by_flag([*fields, *(["budget"] if on_policy else [])]):
+        r = train(() if on_policy else args.prompts or args.rollouts, args.loss, args.out, cfg,
+                  target=args.target or args.preset, on_policy=on_policy,
+                  dtype=args.dtype, drafter_fields=fields, init=args.init, init_layers=init_layers,
+                  loss_cfg=loss_cfg, mesh=mesh, stop_after=args.stop_after, progress=not args.quiet,
+                  online=args.online)
     m = r.metrics
     rows = [("run", str(r.out)), ("steps", f"{r.start_step} → {r.step} of {cfg.steps}"),
             ("loss", f"{m['loss']:.4f}" if "loss" in m else "-"),

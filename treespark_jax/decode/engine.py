@@ -15,7 +15,6 @@ is ``None`` and the programs are exactly the single-device ones.
 from __future__ import annotations
 
 import contextlib
-import math
 import numbers
 from collections.abc import Collection, Iterator, Sequence
 
@@ -25,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from treespark_jax.config import check_temperature_top_p
 from treespark_jax.decode import buckets, jitted
 from treespark_jax.decode.cost_model import CostModel
 from treespark_jax.decode.cost_store import DEFAULT_CPU_COST
@@ -70,10 +70,7 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: 
         raise ValueError(f"seed {bad} is outside 0..{MAX_SEED} (prompt i of a batch uses seed + i).")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1.")
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature {temperature} is negative or not finite; use 0 for greedy or a positive value.")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} is outside (0, 1].")
+    check_temperature_top_p(temperature, top_p)
 
 
 def check_request(prompt_lens: Sequence[int], max_new_tokens: int, temperature: float, top_p: float,

@@ -361,8 +361,10 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
                          f"{'rollouts' if rs is not None else 'prompts'} has at least {shortest} tokens; use "
                          f"--seq-len {shortest + 1} or more.")
     rule, budget = None, 1
+    if source is not None:  # the decode's recipe, budget and drafter checked before the run directory is made
+        tree_rule, tree_budget = source.tree_layout(nnx.state(drafter))
     if loss == "treespark":
-        rule, budget = tree_layout(rs) if rs is not None else source.tree_layout(nnx.state(drafter))
+        rule, budget = tree_layout(rs) if rs is not None else (tree_rule, tree_budget)
     n_records = len(rs) if rs is not None else len(prompts)
     del loaded
 
