@@ -13,12 +13,13 @@ One process, one loaded target (``smollm2-135m`` in float32 with the shipped dra
    (nothing is typed by hand), and GSM8K's temp-0 table in the README between its
    ``<!-- RESULTS TABLE -->`` markers.
 
-The loss-term ablation table reads ``experiments/train_drafters.sh ablate``'s output (``--data``);
-a checkout without it keeps the page's current table, marked as carried over.
+The loss-term ablation and iterated-loop tables read ``experiments/train_drafters.sh ablate``'s and
+``iterate``'s output (``--data``); a checkout without it keeps the page's current tables, marked as
+carried over.
 
 Usage (the defaults are the reduced CPU protocol RESULTS.md was made with; DESIGN.md §4's full
 protocol is ``--limit 32 --max-new-tokens 128 --budgets 4,8,16,32 --repeats 3``):
-  experiments/train_drafters.sh ablate
+  experiments/train_drafters.sh ablate iterate
   python experiments/results.py [--sets gsm8k,humaneval,mtbench] [--temps 0,1] [--limit 4]
       [--max-new-tokens 64] [--budgets 4,8,16] [--repeats 1] [--out experiments/results] [--render-only]
   python experiments/results.py --check --sets gsm8k --temps 0

@@ -8,7 +8,6 @@ as last rendered, marked as carried over.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from treespark_jax.losses.chain import LossConfig
 
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling modules, when this file is imported by a test
 
-from results_tables import fmt  # noqa: E402
+from results_tables import carried_note, carried_section, fmt  # noqa: E402
 
 # start: the dspark drafter itself; shipped: the treespark stage's run (exported as the shipped drafter);
 # shipped_no_tree_terms: its control (same steps, every tree term off); unit_weights: DESIGN.md §1.4's tree
@@ -62,22 +61,9 @@ def loss_ablation(data: Path) -> str | None:
 
 LOSS_ABLATION_HEAD = "## Loss-term ablation"  # the heading templates/RESULTS.md.j2 gives the section
 LOSS_ABLATION_NOT_RUN = "Not run yet: `experiments/train_drafters.sh ablate` makes it."
-CARRIED_MARK = "Carried over from"  # how a carried-over table starts, whatever the rest of the wording
-CARRIED_OVER = (f"{CARRIED_MARK} an earlier render of this page (see its git history): the runs it was made "
-                "from (`experiments/train_drafters.sh ablate`'s output under `--data`) are not in this checkout.")
+CARRIED_OVER = carried_note("ablate")
 
 
 def previous_loss_ablation(results_md: Path) -> str | None:
-    """The loss-ablation section of the page as last rendered, marked as carried over (once, in the
-    current wording), for a checkout without the ablation's runs (they take hours to make again; the
-    benchmarks do not); ``None`` when the page has no such table."""
-    text = results_md.read_text() if results_md.is_file() else ""
-    head = re.search(rf"^{LOSS_ABLATION_HEAD}[ \t]*$", text, re.MULTILINE)
-    if head is None:
-        return None
-    body = re.split(r"^## ", text[head.end():], maxsplit=1, flags=re.MULTILINE)[0].strip()
-    if body.startswith(CARRIED_MARK):  # carried over before: drop the old mark
-        body = body.partition("\n\n")[2].strip()
-    if not body or body == LOSS_ABLATION_NOT_RUN:
-        return None
-    return f"{CARRIED_OVER}\n\n{body}"
+    """The loss-ablation section of the page as last rendered, marked as carried over (``carried_section``)."""
+    return carried_section(results_md, LOSS_ABLATION_HEAD, LOSS_ABLATION_NOT_RUN, CARRIED_OVER)

@@ -1,9 +1,10 @@
 """The page ``experiments/RESULTS.md`` (and the README's results table), rendered from measured rows.
 
 Reads what ``results_measure`` wrote under ``--out`` (bench rows, the builder ablation,
-``meta.json``, ``reproduction.json``) and what ``experiments/train_drafters.sh ablate`` wrote
-under ``--data`` (the loss-term ablation); computes the tables and the verdicts the acceptance
-criteria ask about from the rows (nothing is typed by hand) and draws the τ and speedup plot.
+``meta.json``, ``reproduction.json``) and what ``experiments/train_drafters.sh ablate`` and
+``iterate`` wrote under ``--data`` (the loss-term ablation, the iterated loop); computes the tables
+and the verdicts the acceptance criteria ask about from the rows (nothing is typed by hand) and
+draws the τ and speedup plot.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, str(HERE))  # the sibling modules, when this file is imported
 
 from results_loss_ablation import (LOSS_ABLATION_HEAD, LOSS_ABLATION_NOT_RUN, loss_ablation,  # noqa: E402
                                    previous_loss_ablation)
+from results_iterate import ITERATE_HEAD, ITERATE_NOT_RUN, iterate_table, previous_iterate  # noqa: E402
 from results_measure import PRESET, TAU_TOL, checked_rows  # noqa: E402
 from results_tables import others_words, reproduction, table, verdicts  # noqa: E402
 
@@ -62,7 +64,8 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
 
 def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme: Path | None = None) -> str:
     """RESULTS.md (``templates/RESULTS.md.j2``) and the plot from the JSON under ``out`` (and the loss
-    ablation under ``data``, else the one ``results_md`` already has, see ``previous_loss_ablation``);
+    ablation and the iterated loop under ``data``, else those ``results_md`` already has, see
+    ``results_tables.carried_section``);
     with ``readme``, also the table between its results markers. Returns the page's text."""
     meta = json.loads((out / "meta.json").read_text())
     # A stopped run renders what it measured; the page names what is missing.
@@ -83,6 +86,8 @@ def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme
         builders={"set": builders["set"], "table": builders_table},
         loss_ablation_head=LOSS_ABLATION_HEAD, loss_ablation=loss_ablation(data),
         carried_loss_ablation=previous_loss_ablation(results_md), loss_ablation_not_run=LOSS_ABLATION_NOT_RUN,
+        iterate_head=ITERATE_HEAD, iterate=iterate_table(data), carried_iterate=previous_iterate(results_md),
+        iterate_not_run=ITERATE_NOT_RUN,
         reproduction=reproduction(checked_rows(out)), tau_tol=TAU_TOL)
     results_md.write_text(text)
     shown = next((s for s in ("gsm8k", *sets) if (s, 0.0) in results), None)

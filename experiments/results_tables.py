@@ -3,7 +3,34 @@
 from __future__ import annotations
 
 import os
+import re
 import statistics
+from pathlib import Path
+
+
+CARRIED_MARK = "Carried over from"  # how a carried-over section starts, whatever the rest of the wording
+
+
+def carried_note(stage: str) -> str:
+    """The mark of a section carried over for want of ``experiments/train_drafters.sh STAGE``'s runs."""
+    return (f"{CARRIED_MARK} an earlier render of this page (see its git history): the runs it was made from "
+            f"(`experiments/train_drafters.sh {stage}`'s output under `--data`) are not in this checkout.")
+
+
+def carried_section(results_md: Path, head: str, not_run: str, note: str) -> str | None:
+    """The body of section ``head`` of the page as last rendered, marked with ``note`` (once, in the
+    current wording), for a checkout without the runs it was made from (they take hours to make again;
+    the benchmarks do not); ``None`` when the page has no such section or only its ``not_run`` line."""
+    text = results_md.read_text() if results_md.is_file() else ""
+    found = re.search(rf"^{re.escape(head)}[ \t]*$", text, re.MULTILINE)
+    if found is None:
+        return None
+    body = re.split(r"^## ", text[found.end():], maxsplit=1, flags=re.MULTILINE)[0].strip()
+    if body.startswith(CARRIED_MARK):  # carried over before: drop the old mark
+        body = body.partition("\n\n")[2].strip()
+    if not body or body == not_run:
+        return None
+    return f"{note}\n\n{body}"
 
 
 def fmt(x, spec=".2f"):

@@ -138,18 +138,33 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
 #      trees (plus the plain rollouts of the other sets), and the control: the same steps, data, seed and
 #      start with every tree term off;
 #   3. offline τ (eval-drafter on the three eval splits) and online τ at equal budget (bench, GSM8K eval
-#      prompts, every round drafted and the whole budget verified) of each.
-# Outputs: $DATA/iter-r<r>/{onpolicy,<variant>-s<seed>/{drafter,eval.json,bench.json}}; the RESULTS.md table is
-# rendered from them (experiments/results.py).
+#      prompts, every round drafted and the whole budget verified) of each, and of round 1's start drafter
+#      (a later round's start is scored already: round r-1's treespark-s0).
+# ITER_TEMP sets the temperature of the on-policy rollouts and of the online τ. At 0 the trees are verified
+# greedily, and a node's reach weight is 1 only on the target's argmax path, so node distillation sees the rows
+# the gold chain has; at ITER_TEMP > 0 (verified by the treespark method's sampling rule) it also sees the rows
+# of the branches the target's own draws reach (losses/tree.py, docs/training.md).
+# Outputs: $DATA/iter-r<r> (ITER_TEMP=0; iter-t<T>-r<r> at temperature T) holding
+# {onpolicy,<variant>-s<seed>/{drafter,eval.json,bench.json}}, and round 1's start/{eval.json,bench.json}; a
+# score already written is kept. The RESULTS.md table is rendered from them (experiments/results_iterate.py).
 ROUNDS=${ROUNDS:-2}
 ITER_LIMIT=${ITER_LIMIT:-128}   # GSM8K training prompts per round's on-policy rollouts
 ITER_STEPS=${ITER_STEPS:-600}   # steps per round and variant
 ITER_SEEDS=${ITER_SEEDS:-"0 1"}
 ITER_BENCH=${ITER_BENCH:-16}    # GSM8K eval prompts of the online τ
+ITER_TEMP=${ITER_TEMP:-0}       # temperature of the on-policy rollouts and of the online τ
+iter_score() {  # offline and online τ of drafter $1 into $2/{eval,bench}.json (each kept once written)
+  [ -f "$2/eval.json" ] || $T eval-drafter --drafter "$1" --rollouts $(plain eval) --method treespark \
+    --budget "$BUDGET" --json-out "$2/eval.json"
+  [ -f "$2/bench.json" ] || $T bench --prompts gsm8k --split eval --limit "$ITER_BENCH" --methods ar,treespark \
+    --budgets "$BUDGET" --drafter "treespark=$1" --no-skip-drafting --no-cost-aware-stop --repeats 1 \
+    --temperature "$ITER_TEMP" --json-out "$2/bench.json"
+}
 stage_iterate() {
   local start="$DATA/treespark/drafter"
   for r in $(seq 1 "$ROUNDS"); do
     local dir="$DATA/iter-r$r"
+    if [ "$ITER_TEMP" != 0 ]; then dir="$DATA/iter-t$ITER_TEMP-r$r"; fi
     mkdir -p "$dir"
     $PY - "$dir/prompts.jsonl" "$(( (r - 1) * ITER_LIMIT ))" "$ITER_LIMIT" <<'PY'
 import json, sys
@@ -162,7 +177,8 @@ if not out.exists():  # the round's window of GSM8K training prompts, as written
     out.write_text("".join(json.dumps({"id": r.id, "prompt": r.turns[0]}) + "\n" for r in recs))
 PY
     $T rollout --prompts "$dir/prompts.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
-      --drafter "$start" --method treespark --budget "$BUDGET" --out "$dir/onpolicy"
+      --drafter "$start" --method treespark --budget "$BUDGET" --temperature "$ITER_TEMP" --out "$dir/onpolicy"
+    if [ "$r" = 1 ]; then mkdir -p "$dir/start" && iter_score "$start" "$dir/start"; fi  # later: round r-1's
     local others="$DATA/rollouts-humaneval-train $DATA/rollouts-mtbench-train $(self_rollouts)"
     for seed in $ITER_SEEDS; do
       for variant in treespark control; do
@@ -172,11 +188,7 @@ PY
           --init "$start" --seed "$seed" \
           --steps "$ITER_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
           --log-every 10 $weights --out "$run"
-        $T eval-drafter --drafter "$run/drafter" --rollouts $(plain eval) --method treespark --budget "$BUDGET" \
-          --json-out "$run/eval.json"
-        $T bench --prompts gsm8k --split eval --limit "$ITER_BENCH" --methods ar,treespark --budgets "$BUDGET" \
-          --drafter "treespark=$run/drafter" --no-skip-drafting --no-cost-aware-stop --repeats 1 \
-          --json-out "$run/bench.json"
+        iter_score "$run/drafter" "$run"
       done
     done
     start="$dir/treespark-s0/drafter"

@@ -27,6 +27,11 @@ def ablation():
     return load_script("experiments/results_loss_ablation.py")
 
 
+@pytest.fixture(scope="module")
+def iterate():
+    return load_script("experiments/results_iterate.py")
+
+
 def _row(method, budget, tau, speedup, iqr):
     return {"method": method, "budget": budget, "temp": 0.0, "tau": tau, "tau_per_depth": [0.5],
             "speedup": speedup, "speedup_iqr": iqr, "tokens_per_s": 30.0, "greedy_equal": True, "divergences": []}
@@ -127,7 +132,7 @@ def test_a_checkout_without_the_ablation_runs_keeps_the_pages_loss_table_marked_
     assert ablation.LOSS_ABLATION_NOT_RUN in render()  # no table anywhere yet
     table = "| variant | steps |\n|---|---|\n| start | 0 |"
     results_md.write_text(results_md.read_text().replace(ablation.LOSS_ABLATION_NOT_RUN, table))
-    carried = f"{ablation.LOSS_ABLATION_HEAD}\n\n{ablation.CARRIED_OVER}\n\n{table}\n\n## Reproduction"
+    carried = f"{ablation.LOSS_ABLATION_HEAD}\n\n{ablation.CARRIED_OVER}\n\n{table}\n\n## Iterated"
     assert carried in render()
     assert carried in render()  # rendered again, it is marked once
     results_md.write_text(results_md.read_text().replace(ablation.CARRIED_OVER, "Carried over from an older wording."))
@@ -190,3 +195,49 @@ def test_tau_equal_budget_page_compares_tau_per_budget_and_leaves_speed_out():
     assert "- treespark τ > dspark τ at budgets [4] of [4, 8]" in text
     assert "- treespark τ > ddtree τ at budgets [4] of [4, 8]" in text
     assert "speedup" not in text.split("## gsm8k")[1] and "1.30" not in text
+
+
+def _scored(folder, chain, tree, online, steps=None):
+    folder.mkdir(parents=True)
+    calibration = {"count": [[10.0, 10.0]], "predicted": [[2.0, 8.0]], "accepted": [[1.0, 9.0]]}  # ECE 0.1
+    (folder / "eval.json").write_text(json.dumps({"chain_tau": chain, "tree_tau": tree, "budget": 16,
+                                                  "calibration": calibration}))
+    (folder / "bench.json").write_text(json.dumps({"rows": [_row("ar", None, 1.0, 1.0, 0.0),
+                                                            _row("treespark", 16, online, 1.1, 0.1)]}))
+    if steps is not None:
+        (folder / "run.json").write_text(json.dumps({"train": {"steps": steps}}))
+
+
+def test_iterated_loop_table_compares_each_seed_with_its_control(iterate, page, tmp_path):
+    data = tmp_path / "data"
+    assert iterate.iterate_table(data) is None
+    r1 = data / "iter-r1"
+    _scored(r1 / "start", 2.0, 2.5, 2.6)
+    _scored(r1 / "treespark-s0", 2.1, 2.7, 2.8, steps=600)
+    _scored(r1 / "control-s0", 2.0, 2.6, 2.9, steps=600)
+    _scored(r1 / "treespark-s1", 2.2, 2.8, 2.7, steps=600)
+    _scored(r1 / "control-s1", 2.3, 2.6, 2.6, steps=600)
+    (r1 / "onpolicy").mkdir()
+    (r1 / "onpolicy" / "manifest.json").write_text(json.dumps({"records": 128, "response_tokens": 24717}))
+    _scored(data / "iter-r2" / "treespark-s0", 2.4, 2.9, 3.0, steps=600)  # its control not scored yet
+    _scored(data / "iter-t1-r1" / "start", 2.0, 2.5, 2.2)  # ITER_TEMP=1: its own start, online at temperature 1
+    _scored(data / "iter-t1-r1" / "control-s0", 2.0, 2.5, 2.1, steps=600)
+    _scored(data / "iter-t1-r1" / "treespark-s0", 2.0, 2.5, 2.3, steps=600)
+    table = iterate.iterate_table(data)
+    assert "| 0 | 1 | start (the treespark stage's drafter) | — | — | 2.000 | 2.500 | 2.600 | 0.100 |" in table
+    assert "| 0 | 1 | treespark | 1 | 600 | 2.200 | 2.800 | 2.700 | 0.100 |" in table
+    assert "| 0 | 2 | start (round 1's treespark, seed 0) | — | — | 2.100 | 2.700 | 2.800 | 0.100 |" in table
+    assert "| 1 | 1 | start (the treespark stage's drafter) | — | — | 2.000 | 2.500 | 2.200 | 0.100 |" in table
+    assert ("- Temp 0, round 1 (128 on-policy GSM8K rollouts, 24,717 response tokens), tree terms minus control: "
+            "offline tree τ higher in every seed (+0.100, +0.200; mean +0.150); offline chain τ mixed (+0.100, "
+            "-0.100; mean +0.000); online τ mixed (-0.100, +0.100; mean +0.000).") in table
+    assert "- Temp 0, round 2: no seed has both variants scored yet." in table
+    assert "- Temp 1, round 1, tree terms minus control: offline tree τ equal in the seed (+0.000; mean +0.000)" in table
+    assert "online τ higher in the seed (+0.200; mean +0.200)." in table
+    # rendered into the page; a checkout without the runs keeps it, marked as carried over
+    _measured_page(tmp_path)
+    results_md = tmp_path / "RESULTS.md"
+    assert table in page.render(["gsm8k"], [0.0], [4], tmp_path / "results", data, results_md)
+    md = page.render(["gsm8k"], [0.0], [4], tmp_path / "results", tmp_path / "elsewhere", results_md)
+    assert f"{iterate.ITERATE_HEAD}\n\n{iterate.carried_note('iterate')}\n\nEach round" in md  # the prose kept too
+    assert md.count(iterate.carried_note("iterate")) == 1 and f"{table}\n\n## Reproduction" in md
