@@ -381,7 +381,10 @@ def test_generate_refuses_what_it_can_see_before_the_target_loads(capsys, tmp_pa
                            (["--prompt", " ", "--chat"], "the prompt is empty"),
                            (["--prompt", "hi", "--drafter", str(tmp_path / "none")], "does not exist or is not a"),
                            (["--prompt", "hi", "--drafter", str(tmp_path)], "has neither drafter.json"),
-                           (["--prompt", "hi", "--method", "ar", "--drafter", "random"], "uses no block drafter")):
+                           (["--prompt", "hi", "--method", "ar", "--drafter", "random"], "uses no block drafter"),
+                           (["--prompt", "hi", "--method", "ar", "--builder", "chain"], "method 'ar' drafts nothing"),
+                           (["--prompt", "hi", "--method", "ar", "--drafter", "random", "--verify", "rejection"],
+                            "uses no block drafter")):
         assert main(["generate", *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("treespark generate: error: ") and message in err and err.count("\n") == 1, err

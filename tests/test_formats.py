@@ -242,7 +242,8 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, zlab_dir, capsys):
         assert message in capsys.readouterr().err and not out.exists()
     (tmp_path / "file").write_text("kept")
     copy = shutil.copytree(zlab_dir, tmp_path / "copy")
-    for args, message in ((["--out", str(tmp_path / "file")], "is a file, not a drafter directory"),
+    for args, message in ((["--out", str(tmp_path / "file")], "is a file, not a directory"),
+                          (["--out", str(tmp_path / "file" / "sub")], "file is a file, not a folder"),
                           (["--out", str(copy)], "holds the --drafter it reads"),
                           (["--out", str(tmp_path)], "holds the --drafter it reads"),
                           (["--out", str(target_dir)], "holds the --target it reads")):

@@ -452,6 +452,8 @@ def test_refused_sampling_settings_leave_no_directory(tmp_path, target, prompts,
 @pytest.mark.parametrize("command", [
     ["rollout", "--prompts", "gsm8k", "--limit", "1", "--out", "{file}"],
     ["train", "--rollouts", "{dir}", "--loss", "dspark", "--out", "{file}"],
+    ["rollout", "--prompts", "gsm8k", "--limit", "1", "--out", "{file}/sub"],
+    ["train", "--rollouts", "{dir}", "--loss", "dspark", "--out", "{file}/run"],
     ["eval-drafter", "--drafter", "{dir}", "--rollouts", "{dir}", "--json-out", "{dir}/no/such/x.json"],
     ["eval-drafter", "--drafter", "{dir}", "--rollouts", "{dir}", "--json-out", "{dir}"],
 ])

@@ -99,6 +99,16 @@ def drafter_config(loss: str, target: ModelConfig, **fields) -> DrafterConfig:
     return DrafterConfig.for_target(target, **{**heads[loss], **fields})
 
 
+def check_method_options(method: str, *, drafter: object = None, builder: str | None = None, verify: str | None = None,
+                         skip_drafting: bool | None = None, cost_aware_stop: bool | None = None) -> None:
+    """Raises ``ValueError`` (one sentence) for speculative options ``method`` cannot use: a drafter for a
+    method without a block drafter, or any drafting option for ``ar`` (checked before anything loads)."""
+    check_drafter_use(method, drafter)
+    if recipe(method).proposer is None and (builder or verify or skip_drafting or cost_aware_stop):
+        raise ValueError("method 'ar' drafts nothing; drop the builder, verify, skip_drafting and cost_aware_stop "
+                         "options.")
+
+
 def check_drafter_use(method: str, drafter: object) -> None:
     """Raises ``ValueError`` (one sentence) for a drafter (anything but ``None``) given to a method that
     uses no block drafter (``ar``, ``prompt_lookup``)."""
@@ -139,10 +149,9 @@ def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,
 
     r = recipe(method)
     check_budget(budget)
+    check_method_options(method, drafter=drafter, builder=builder, verify=verify, skip_drafting=skip_drafting,
+                         cost_aware_stop=cost_aware_stop)
     if r.proposer is None:
-        if builder or verify or skip_drafting or cost_aware_stop or drafter is not None:
-            raise ValueError("method 'ar' drafts nothing; drop the drafter, builder, verify, skip_drafting and "
-                             "cost_aware_stop options.")
         return None
     skip_drafting = True if skip_drafting is None else skip_drafting
     builder, verify = parse_enum(Builder, builder or r.builder, "builder"), verify or r.verify

@@ -44,11 +44,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _drafters(pairs: list[str]) -> dict[str, str]:
+    from treespark_jax.drafter.formats import detect
+
     out = {}
     for pair in pairs:
         method, sep, path = pair.partition("=")
         if not sep or method not in DRAFTER_METHODS or not path:
             raise ValueError(f"--drafter {pair!r} must be METHOD=PATH with METHOD one of {', '.join(DRAFTER_METHODS)}.")
+        if path != "random":
+            detect(path)  # a path that holds no drafter fails here, before the target loads
         out[method] = path
     return out
 

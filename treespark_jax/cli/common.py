@@ -148,6 +148,26 @@ def path_arg(text: str) -> str:
     return text
 
 
+def _file_above(path: Path) -> Path | None:
+    """The nearest existing ancestor of ``path`` when it is a file (nothing can be made under it), else ``None``."""
+    nearest = next((p for p in path.parents if p.exists()), None)
+    return nearest if nearest is not None and not nearest.is_dir() else None
+
+
+def check_out_dir(flag: str, value: str) -> None:
+    """Checks an output directory flag before any slow work: it is a directory or can become one.
+
+    Raises:
+      ValueError: naming the flag and the value, for a file, or a path under a file.
+    """
+    path = Path(value).absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {value} is a file, not a directory.")
+    blocker = _file_above(path)
+    if blocker is not None:
+        raise ValueError(f"{flag} {value}: {blocker} is a file, not a folder.")
+
+
 def check_out_file(flag: str, value: str | None) -> None:
     """Checks an output file flag before any slow work: its folder must exist and take a file (probed
     with a temporary file, removed at once), and it must not be a directory.
@@ -161,8 +181,8 @@ def check_out_file(flag: str, value: str | None) -> None:
     if path.is_dir():
         raise ValueError(f"{flag} {value} is a directory; give a file path.")
     if not path.parent.is_dir():
-        blocker = next((p for p in path.parents if p.exists()), None)
-        if blocker is not None and not blocker.is_dir():
+        blocker = _file_above(path)
+        if blocker is not None:
             raise ValueError(f"{flag} {value}: {blocker} is a file, not a folder.")
         raise ValueError(f"{flag} {value}: its folder does not exist.")
     try:  # a real write: os.access says yes to root on read-only file systems such as /sys

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import path_arg
+from treespark_jax.cli.common import check_out_dir, path_arg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,8 +43,7 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise ValueError(f"--out {out} already exists; pass --overwrite to replace it.")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a drafter directory.")
+    check_out_dir("--out", args.out)
     for flag, read in (("--drafter", args.drafter), ("--target", args.target)):
         if read and Path(read).exists() and out.resolve() in (Path(read).resolve(), *Path(read).resolve().parents):
             raise ValueError(f"--out {out} holds the {flag} it reads ({read}); choose another directory.")

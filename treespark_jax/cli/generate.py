@@ -55,13 +55,14 @@ def run(args: argparse.Namespace) -> None:
     """
     from treespark_jax.api import check_prompt, load
     from treespark_jax.drafter.formats import detect
-    from treespark_jax.methods import check_drafter_use
+    from treespark_jax.methods import check_method_options
 
     # checked before the seconds of loading
     check_prompt(args.prompt, args.chat)
     config = generation_config(args)
     if args.method is not None:
-        check_drafter_use(args.method, args.drafter)
+        check_method_options(args.method, drafter=args.drafter, builder=args.builder, verify=args.verify,
+                             skip_drafting=args.skip_drafting, cost_aware_stop=args.cost_aware_stop)
     if args.drafter not in (None, "random"):
         detect(args.drafter)
     lm = load(target_name(args), args.dtype, mesh=args.mesh)

@@ -59,3 +59,7 @@ def run(args: argparse.Namespace) -> None:
     print(cost_table(cost))
     written = save_cost_model(cost, args.json_out or profile_path(cost.device, cost.target))
     print(f"wrote {written}", file=sys.stderr)
+    if args.json_out is None:  # the cache's copy prices every later run: say so, and how to undo it
+        print(f"every later run of {cost.target} on {cost.device} now prices the cost-aware stop and draft skipping "
+              f"with it (budgets above {args.budget} extrapolated from it; profile at least the budgets you decode "
+              f"at, on an idle device); delete the file to return to the shipped profile.", file=sys.stderr)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, comma_list, generation_config,
-                                      path_arg, target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, check_out_dir, comma_list,
+                                      generation_config, path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
 
@@ -59,8 +59,7 @@ def run(args: argparse.Namespace) -> None:
 
     check_at_least(args, limit=1, max_new_tokens=1, batch_size=1)
     generation_config(args)  # --temperature, --top-p, --seed and --budget checked as generate checks them
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is a file, not a rollout directory.")
+    check_out_dir("--out", args.out)
     layer_ids = comma_list("--layer-ids", args.layer_ids, int) if args.layer_ids else None
     is_set = args.prompts in PROMPT_SETS
     split = args.split or ("train" if is_set else None)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import (ALPHA_NOTE, add_mesh_arg, add_target_args, check_at_least, comma_list, flag_of,
-                                      named_by_flag, path_arg)
+from treespark_jax.cli.common import (ALPHA_NOTE, add_mesh_arg, add_target_args, check_at_least, check_out_dir,
+                                      comma_list, flag_of, named_by_flag, path_arg)
 
 # API fields whose flag has another name (the others are named alike: lr → --lr)
 _FLAGS = {"batch": "--batch-size", "interval": "--tree-interval", "buffer": "--tree-buffer",
@@ -54,24 +54,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="split of a prompt set (default: train); a JSONL file is used whole")
     # Defaults None: a value given without a prompt set or file is refused (on_policy_config).
     og.add_argument("--tree-interval", type=int, metavar="K",
-                    help=f"steps between decodes with the current drafter (step 0 decodes first; default "
+                    help=f"steps between decodes with the current drafter, step 0 decoding first (default: "
                          f"{op.interval})")
     og.add_argument("--tree-buffer", type=int, metavar="SEQS",
-                    help=f"decoded sequences kept (FIFO, host memory; saved with every checkpoint; default "
+                    help=f"decoded sequences kept (FIFO, host memory, saved with every checkpoint) (default: "
                          f"{op.buffer})")
     og.add_argument("--decode-prompts", type=int, metavar="N",
-                    help=f"prompts per decode (one generation batch; default {op.decode_prompts})")
+                    help=f"prompts per decode, one generation batch (default: {op.decode_prompts})")
     og.add_argument("--method", choices=DRAFTER_METHODS,
                     help="speculative method of the decode (default: dflash for the dflash loss, else pctree)")
     og.add_argument("--budget", type=int, metavar="N", help=f"tree budget N of the decode (default: {op.budget})")
     og.add_argument("--max-new-tokens", type=int,
                     help=f"cap on response tokens per decoded prompt (default: {op.max_new_tokens})")
     og.add_argument("--temperature", type=float,
-                    help=f"decode temperature (0: greedy, trees verified with the greedy rule; default "
+                    help=f"decode temperature, 0 for greedy with trees verified by the greedy rule (default: "
                          f"{op.temperature})")
     og.add_argument("--top-p", type=float,
-                    help=f"decode nucleus mass in (0, 1] (default: {op.top_p}; below 1 only without tree terms: "
-                         "dflash and dspark losses)")
+                    help=f"decode nucleus mass in (0, 1], below 1 only without tree terms: dflash and dspark losses "
+                         f"(default: {op.top_p})")
     tr.add_argument("--loss", required=True, choices=LOSSES, help="training loss (the drafter's heads follow it)")
     tr.add_argument("--out", required=True, metavar="DIR", type=path_arg,
                     help="run directory (one holding run.json is resumed)")
@@ -195,6 +195,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("--prompts feeds online training; add --online, or train offline on --rollouts DIR.")
     check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2, tree_interval=1, tree_buffer=1,
                    decode_prompts=1, budget=1, max_new_tokens=1)
+    check_out_dir("--out", args.out)
     on_policy = on_policy_config(args)
     settings = dict(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                     min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
