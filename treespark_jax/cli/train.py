@@ -9,7 +9,7 @@ import argparse
 from treespark_jax.cli.common import (ALPHA_NOTE, add_mesh_arg, add_target_args, check_at_least, check_out_dir,
                                       comma_list, flag_of, named_by_flag, path_arg)
 
-# API fields whose flag has another name (the others are named alike: lr → --lr)
+# API fields (TrainConfig, OnPolicyConfig, DrafterConfig) whose flag has another name (the others: lr → --lr)
 _FLAGS = {"batch": "--batch-size", "interval": "--tree-interval", "buffer": "--tree-buffer",
           "n_layers": "--drafter-layers"}
 
@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help=f"steps between decodes with the current drafter, step 0 decoding first (default: "
                          f"{op.interval})")
     og.add_argument("--tree-buffer", type=int, metavar="SEQS",
-                    help=f"decoded sequences kept (FIFO, host memory, saved with every checkpoint) (default: "
+                    help=f"decoded sequences kept in a host-memory FIFO saved with every checkpoint (default: "
                          f"{op.buffer})")
     og.add_argument("--decode-prompts", type=int, metavar="N",
                     help=f"prompts per decode, one generation batch (default: {op.decode_prompts})")
@@ -151,21 +151,20 @@ def on_policy_config(args: argparse.Namespace):
       ValueError: a prompt set or file mixed with other ``--prompts``, an online decoding flag given
         without one, or a bad online decoding value (named by its flag).
     """
+    import dataclasses
     from pathlib import Path
 
     from treespark_jax.config import OnPolicyConfig
     from treespark_jax.prompts.sets import PROMPT_SETS
 
-    flags = {"split": ("--split", args.split), "interval": ("--tree-interval", args.tree_interval),
-             "buffer": ("--tree-buffer", args.tree_buffer), "decode_prompts": ("--decode-prompts", args.decode_prompts),
-             "method": ("--method", args.method), "budget": ("--budget", args.budget),
-             "max_new_tokens": ("--max-new-tokens", args.max_new_tokens),
-             "temperature": ("--temperature", args.temperature), "top_p": ("--top-p", args.top_p)}
-    given = {field: value for field, (_, value) in flags.items() if value is not None}
+    flags = {f.name: _FLAGS.get(f.name, flag_of(f.name)) for f in dataclasses.fields(OnPolicyConfig)
+             if f.name != "prompts"}
+    given = {field: value for field, flag in flags.items()
+             if (value := getattr(args, flag[2:].replace("-", "_"))) is not None}
     if not args.prompts or all(Path(p).is_dir() and p not in PROMPT_SETS for p in args.prompts):
         if given:
             field = next(iter(given))
-            raise ValueError(f"{flags[field][0]} {given[field]} sets the online decode, which runs only with --online "
+            raise ValueError(f"{flags[field]} {given[field]} sets the online decode, which runs only with --online "
                              "--prompts SET|FILE.jsonl, not on rollout directories; drop it or name a prompt set or "
                              "file.")
         return None
