@@ -73,14 +73,14 @@ def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--methods", "ar,fast"], "unknown method 'fast'"),
+    (["--methods", "ar,fast"], "--methods 'fast' is unknown; choose from ar,"),
     (["--budgets", "4,x"], "--budgets '4,x' must be comma-separated integers"),
     (["--budgets", "4,,8"], "--budgets '4,,8' has an empty entry"),
     (["--budgets", "0"], "--budgets 0 must be a whole number of drafted nodes between 1 and 1024"),
     (["--budgets", "4,100000"], "--budgets 100000 must be a whole number of drafted nodes between 1 and 1024"),
     (["--repeats", "0"], "--repeats 0 must be at least 1"),
     (["--drafter", "ar=/x"], "--drafter 'ar=/x' must be METHOD=PATH"),
-    (["--split", "eval"], "a file is always used whole"),
+    (["--split", "eval"], "--split 'eval' does not apply to the JSONL file"),
     (["--methods", "treespark"], "none ships for target"),
     (["--json-out", "/nonexistent-folder/r.json"], "--json-out /nonexistent-folder/r.json: its folder does not exist"),
     (["--json-out", "."], "--json-out . is a directory; give a file path"),

@@ -24,6 +24,14 @@ def test_generate_json_has_ids_text_and_stats(preset, capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 8 and out["prompt_ids"] and out["text"] and out["method"] == "ar"
     assert out["stats"]["target_forwards"] == 8 and out["stats"]["tokens_per_s"] > 0
+    # One token comes from the prefill alone: no decode step to time, and no rate or speedup made up.
+    assert main(["generate", "--preset", preset, "--prompt", "The capital of France is", "--max-new-tokens", "1",
+                 "--json", "--compare-ar"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 1 and out["stats"]["tokens_per_s"] is None and out["ar"]["speedup"] is None
+    assert main(["generate", "--preset", preset, "--prompt", "The capital of France is", "--max-new-tokens", "1",
+                 "--method", "ar"]) == 0
+    assert "[ar] 1 token, no decode step, τ 1.00, 1 target forward, " in capsys.readouterr().err
 
 
 def test_default_method_uses_the_shipped_drafter_and_compares_with_ar(preset, capsys):
@@ -224,7 +232,8 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
 
 @pytest.mark.parametrize("flags, message", [
     (["--limit", "0"], "--limit 0 must be at least 1"),
-    (["--limit", "2", "--seed", "-1"], "--seed -1 must be at least 0"),
+    (["--limit", "2", "--seed", "-1"], "--seed -1 is outside 0..4294967295"),
+    (["--limit", "2", "--seed", str(2 ** 32)], f"--seed {2 ** 32} is outside 0..4294967295"),
     (["--limit", "2", "--batch-size", "0"], "--batch-size 0 must be at least 1"),
 ])
 def test_self_prompts_bad_input_is_one_sentence_and_exit_2(capsys, tmp_path, flags, message):
@@ -339,7 +348,13 @@ def test_eval_drafter_names_what_it_was_given_before_the_target_loads(capsys, tm
 
 def test_rollout_settings_and_an_unwritable_json_out_are_refused_before_any_work(capsys, tmp_path, no_target_load):
     for flags, message in ((["--seed", "-1"], "--seed -1 is outside 0..4294967295"),
-                           (["--top-p", "0"], "--top-p 0.0 is outside (0, 1]")):
+                           (["--top-p", "0"], "--top-p 0.0 is outside (0, 1]"),
+                           (["--drafter", "random", "--top-p", "0.9"],
+                            "--top-p 0.9 is refused for on-policy rollouts: they log trees for training at top_p=1"),
+                           (["--method", "dflash"], "--method dflash set how a drafter speculates; give --drafter"),
+                           (["--budget", "8"], "--budget 8 set how a drafter speculates; give --drafter"),
+                           (["--drafter", str(tmp_path)], "has neither drafter.json"),
+                           (["--layer-ids", ""], "--layer-ids '' lists nothing")):
         assert main(["rollout", "--prompts", "gsm8k", "--out", str(tmp_path / "r"), *flags]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
@@ -369,6 +384,9 @@ def test_generation_config_is_checked_when_made_and_names_unknown_settings(unche
         GenerationConfig(builder="foo")
     with pytest.raises(ValueError, match="verify rule 'greedy' is what temperature 0 uses"):
         GenerationConfig(verify="greedy")
+    with pytest.raises(ValueError, match="verify='rejection' is a rule for temperature > 0 only"):
+        GenerationConfig(verify="rejection")
+    GenerationConfig(verify="rejection", temperature=1.0)
     with pytest.raises(ValueError, match="'temp' is not a generation setting; use one of max_new_tokens, temperature"):
         GenerationConfig.of(temp=0.7)
     config = GenerationConfig(method="treespark", builder="chain", temperature=0.5)
@@ -382,9 +400,12 @@ def test_generate_refuses_what_it_can_see_before_the_target_loads(capsys, tmp_pa
                            (["--prompt", "hi", "--drafter", str(tmp_path / "none")], "does not exist or is not a"),
                            (["--prompt", "hi", "--drafter", str(tmp_path)], "has neither drafter.json"),
                            (["--prompt", "hi", "--method", "ar", "--drafter", "random"], "uses no block drafter"),
-                           (["--prompt", "hi", "--method", "ar", "--builder", "chain"], "method 'ar' drafts nothing"),
-                           (["--prompt", "hi", "--method", "ar", "--drafter", "random", "--verify", "rejection"],
-                            "uses no block drafter")):
+                           (["--prompt", "hi", "--method", "ar", "--builder", "chain", "--budget", "8"],
+                            "method 'ar' drafts nothing; drop --budget, --builder."),
+                           (["--prompt", "hi", "--method", "ar", "--drafter", "random", "--verify", "rejection",
+                             "--temperature", "1"], "uses no block drafter"),
+                           (["--prompt", "hi", "--verify", "rejection"],
+                            "--verify 'rejection' is a rule for temperature > 0 only")):
         assert main(["generate", *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("treespark generate: error: ") and message in err and err.count("\n") == 1, err

@@ -246,16 +246,17 @@ def test_profile_rows_and_contexts_checks():
     assert profile_rows(12) == (2, 3, 4, 7, 13)  # rungs of 12, 6, 3 and 1
     check_profile_args(16, (64, 256), 1)
     for bad, words in (((), "at least one context"), ((256, 64), "ascending"), ((8, 8), "ascending"),
-                       ((0, 8), "context 0 must be at least 1")):
+                       ((0, 8), "contexts=0,8 must each be at least 1")):
         with pytest.raises(ValueError, match=words):
             check_profile_args(16, bad, 1)
 
 
 def test_profile_contexts_are_committed_tokens_with_room_for_the_verify_rows():
     check_profile_args(16, (1, 8175), 1, 8192)  # 8175 + 17 rows = 8192 positions
-    with pytest.raises(ValueError, match="context 8176 plus the 17 verify rows of budget 16 exceeds the model's 8192"):
+    with pytest.raises(ValueError, match="contexts=1,8176 reach 8176 tokens, which with the 17 verify rows of "
+                                         "budget 16 pass the model's 8192 positions"):
         check_profile_args(16, (1, 8176), 1, 8192)
-    with pytest.raises(ValueError, match="context 0 must be at least 1"):
+    with pytest.raises(ValueError, match="contexts=0,64 must each be at least 1"):
         check_profile_args(16, (0, 64), 1)
 
 
@@ -317,7 +318,8 @@ def test_profile_command_times_the_drafter_it_is_given(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flags, message", [
     (["--contexts", "64,x"], "--contexts '64,x' must be comma-separated integers"),
     (["--contexts", "64,,256"], "--contexts '64,,256' has an empty entry"),
-    (["--contexts", "256,64"], "contexts 256, 64 must be in strictly ascending order"),
+    (["--contexts", "256,64"], "--contexts 256,64 must be in strictly ascending order"),
+    (["--contexts", "0,64"], "--contexts 0,64 must each be at least 1 committed token"),
     (["--budget", "0"], "--budget 0 must be a whole number of drafted nodes between 1 and 1024"),
     (["--repeats", "0"], "--repeats 0 must be at least 1"),
     (["--json-out", "/nonexistent-folder/x.json"], "--json-out /nonexistent-folder/x.json: its folder does not exist"),

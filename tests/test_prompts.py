@@ -195,7 +195,7 @@ def test_jsonl_file_errors(tmp_path, text, match):
 def test_jsonl_file_refuses_a_split(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text('{"prompt": "Hello"}\n')
-    with pytest.raises(ValueError, match="split='train' was given for the JSONL file .* used whole"):
+    with pytest.raises(ValueError, match="split='train' does not apply to the JSONL file .* used whole"):
         load_prompts(path, "train")
 
 
@@ -314,6 +314,20 @@ def test_a_user_prefix_starts_every_turn_and_the_target_continues_it(tiny_lm):
     assert [r.turns[0][len(prefix):].strip() for r in steered] != [r.turns[0] for r in plain]
 
 
+def test_a_turn_cut_inside_a_character_drops_its_partial_bytes(tiny_lm):
+    class CutMidCharacter:  # decodes as a byte-level tokenizer does when the last token ends mid-character
+        def __getattr__(self, name):
+            return getattr(tiny_lm.tokenizer, name)
+
+        def decode(self, ids):
+            return tiny_lm.tokenizer.decode(ids) + "\ufffd"
+
+    lm = SimpleNamespace(tokenizer=CutMidCharacter(), model=tiny_lm.model, engine=tiny_lm.engine)
+    out = self_generated_prompts(lm, 8, seed=7, max_new_tokens=12, batch_size=4)
+    assert {r.meta["finished"] for r in out} == {False, True}  # both kinds are checked
+    assert all(r.turns[0].endswith("\ufffd") == r.meta["finished"] for r in out)
+
+
 def test_self_generated_prompts_give_up_after_max_rows(tiny_lm, caplog):
     out = self_generated_prompts(tiny_lm, 50, seed=7, max_new_tokens=12, batch_size=4, max_rows=4,
                                  drop_unfinished=True)
@@ -323,7 +337,8 @@ def test_self_generated_prompts_give_up_after_max_rows(tiny_lm, caplog):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n=0), "n=0 must be an integer ≥ 1"),
-    (dict(n=2, seed=-1), "seed=-1 must be an integer ≥ 0"),
+    (dict(n=2, seed=-1), "seed -1 is outside 0..4294967295"),
+    (dict(n=2, seed=2 ** 32), "seed 4294967296 is outside 0..4294967295"),
     (dict(n=2, max_new_tokens=0), "max_new_tokens=0 must be"),
     (dict(n=2, batch_size=0), "batch_size=0 must be"),
     (dict(n=2, max_rows=0), "max_rows=0 must be"),

@@ -362,11 +362,11 @@ def test_cli_rollout_on_a_tiny_target(tmp_path, tiny_dir, prompt_file, baseline,
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["identity"]["prompts"]["source"] == str(prompt_file.resolve()) and manifest["trees"] is False
     for flags, message in [(["--temperature", "1.0"], "holds rollouts made with temp = 0.0, not 1.0"),
-                           (["--split", "train"], "split='train' was given for the JSONL file"),
+                           (["--split", "train"], "--split 'train' does not apply to the JSONL file"),
                            (["--max-new-tokens", "600"], "prompt 'p0' has \\d+ tokens and max_new_tokens=600, "
                                                          "together more than the target's context of 512 tokens"),
                            (["--layer-ids", "1,x"], "--layer-ids '1,x' must be comma-separated integers"),
-                           (["--layer-ids", "0,9"], "layer ids \\[0, 9\\] must be distinct 0-based decoder "
+                           (["--layer-ids", "0,9"], "--layer-ids \\[0, 9\\] must be distinct 0-based decoder "
                                                     "layers below 8")]:
         assert main(args + flags) == 2
         err = capsys.readouterr().err
@@ -428,11 +428,15 @@ def test_cli_eval_drafter_reports_offline_chain_and_tree_tau(tmp_path, baseline,
     assert "nothing" in capsys.readouterr().err
 
 
-def test_on_policy_rollouts_refuse_top_p_below_one(tmp_path, target, prompts, engine):
+def test_on_policy_rollouts_refuse_top_p_below_one_and_a_method_that_is_not_the_spec(tmp_path, target, prompts,
+                                                                                     engine):
+    with pytest.raises(ValueError, match="top_p=0.9 is refused for on-policy rollouts"):
+        RolloutSettings(max_new_tokens=8, batch_size=2, top_p=0.9, method="prompt_lookup")
+    RolloutSettings(max_new_tokens=8, batch_size=2, top_p=0.9)  # plain rollouts sample the nucleus
     spec = speculation("prompt_lookup", target.model, 4)
-    with pytest.raises(ValueError, match="top_p=1 only, not top_p=0.9"):
-        _write(target, prompts, engine, tmp_path / "r", spec=spec,
-               settings=RolloutSettings(max_new_tokens=8, batch_size=2, top_p=0.9))
+    for spec_given, settings in [(spec, SETTINGS), (None, RolloutSettings(max_new_tokens=8, method="pctree"))]:
+        with pytest.raises(ValueError, match="does not match the spec given"):
+            _write(target, prompts, engine, tmp_path / "r", spec=spec_given, settings=settings)
     assert not (tmp_path / "r").exists()
 
 

@@ -278,7 +278,8 @@ def _check_sha256(asset: Asset, sha256: str) -> None:
 
 def _bar(asset: Asset, desc: str, progress: bool) -> tqdm:
     return tqdm(
-        total=asset.size, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+        # MB (not MiB), as `models list` and rollouts print sizes
+        total=asset.size, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
         disable=not progress or asset.size < _PROGRESS_MIN_BYTES, leave=False,
     )
 

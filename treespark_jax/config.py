@@ -372,8 +372,8 @@ class TrainConfig:
         if self.warmup is None:
             object.__setattr__(self, "warmup", min(100, self.steps // 10))
         if not 0 <= self.warmup < self.steps:
-            raise ValueError(f"warmup={self.warmup} steps must lie in [0, steps={self.steps}) (the cosine decay "
-                             "needs at least one step).")
+            raise ValueError(f"warmup={self.warmup} must lie in [0, {self.steps}), below the step count (the cosine "
+                             "decay needs at least one step).")
 
 
 @dataclasses.dataclass(frozen=True)

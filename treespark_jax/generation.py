@@ -49,7 +49,7 @@ class GenerationConfig:
 
     Raises:
       ValueError: one sentence naming the value and its limit (``check_sampling``, ``check_budget``,
-        an unknown method).
+        an unknown method, builder or rule, a verify rule at temperature 0).
     """
 
     max_new_tokens: int = 128
@@ -73,6 +73,9 @@ class GenerationConfig:
             parse_enum(Builder, self.builder, "builder")
         if self.verify is not None:
             sampling_rule(self.verify)
+            if self.greedy:
+                raise ValueError(f"verify={self.verify!r} is a rule for temperature > 0 only (greedy rounds accept the "
+                                 "target's argmax); drop it or set a temperature.")
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ cost-aware stop unless ``cost_aware_stop=False``); the drafter is passed by the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from treespark_jax.config import (Builder, DrafterConfig, ModelConfig, TreeConfig, VerifyRule, check_budget,
@@ -99,14 +100,18 @@ def drafter_config(loss: str, target: ModelConfig, **fields) -> DrafterConfig:
     return DrafterConfig.for_target(target, **{**heads[loss], **fields})
 
 
-def check_method_options(method: str, *, drafter: object = None, builder: str | None = None, verify: str | None = None,
-                         skip_drafting: bool | None = None, cost_aware_stop: bool | None = None) -> None:
+def check_method_options(method: str, *, drafter: object = None, budget: int | None = None, builder: str | None = None,
+                         verify: str | None = None, skip_drafting: bool | None = None,
+                         cost_aware_stop: bool | None = None, name: Callable[[str], str] = str) -> None:
     """Raises ``ValueError`` (one sentence) for speculative options ``method`` cannot use: a drafter for a
-    method without a block drafter, or any drafting option for ``ar`` (checked before anything loads)."""
+    method without a block drafter, or for ``ar`` any drafting option given (a budget, a builder, a rule,
+    or draft skipping or the stop turned on); checked before anything loads. ``name`` words an option
+    in the error (the CLI's gives its flag)."""
     check_drafter_use(method, drafter)
-    if recipe(method).proposer is None and (builder or verify or skip_drafting or cost_aware_stop):
-        raise ValueError("method 'ar' drafts nothing; drop the builder, verify, skip_drafting and cost_aware_stop "
-                         "options.")
+    given = {"budget": budget is not None, "builder": builder is not None, "verify": verify is not None,
+             "skip_drafting": bool(skip_drafting), "cost_aware_stop": bool(cost_aware_stop)}
+    if recipe(method).proposer is None and any(given.values()):
+        raise ValueError(f"method 'ar' drafts nothing; drop {', '.join(name(k) for k, v in given.items() if v)}.")
 
 
 def check_drafter_use(method: str, drafter: object) -> None:

@@ -91,7 +91,7 @@ def check_methods(methods: Sequence[str], budgets: Sequence[int]) -> None:
     """Raises ``ValueError`` (one sentence) for an unknown method or a budget outside ``1..MAX_BUDGET``."""
     for m in methods:
         if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; choose from {', '.join(METHODS)}.")
+            raise ValueError(f"method={m!r} is unknown; choose from {', '.join(METHODS)}.")
     for b in budgets:
         check_budget(b)
 

@@ -184,8 +184,8 @@ def check_profile_args(budget: int, contexts: tuple[int, ...], repeats: int, max
 
     Raises:
       ValueError: a budget outside ``1..MAX_BUDGET``, a repeat count below 1, no contexts,
-        contexts not in strictly ascending order, a context below 1 token, or a context whose verify rows (``budget + 1``) pass the model's
-        ``max_positions``.
+        contexts not in strictly ascending order, a context below 1 token, or a context whose verify
+        rows (``budget + 1``) pass the model's ``max_positions``.
     """
     check_budget(budget)
     if repeats < 1:
@@ -193,12 +193,12 @@ def check_profile_args(budget: int, contexts: tuple[int, ...], repeats: int, max
     if not contexts:
         raise ValueError("give at least one context length to profile.")
     if list(contexts) != sorted(set(contexts)):
-        raise ValueError(f"contexts {', '.join(map(str, contexts))} must be in strictly ascending order.")
+        raise ValueError(f"contexts={','.join(map(str, contexts))} must be in strictly ascending order.")
     if contexts[0] < 1:
-        raise ValueError(f"context {contexts[0]} must be at least 1 committed token.")
+        raise ValueError(f"contexts={','.join(map(str, contexts))} must each be at least 1 committed token.")
     if max_positions is not None and contexts[-1] + budget + 1 > max_positions:
-        raise ValueError(f"context {contexts[-1]} plus the {budget + 1} verify rows of budget {budget} exceeds "
-                         f"the model's {max_positions} positions.")
+        raise ValueError(f"contexts={','.join(map(str, contexts))} reach {contexts[-1]} tokens, which with the "
+                         f"{budget + 1} verify rows of budget {budget} pass the model's {max_positions} positions.")
 
 
 def profile_rows(budget: int) -> tuple[int, ...]:

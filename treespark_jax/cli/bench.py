@@ -97,11 +97,12 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.prompts.load import load_prompts
     from treespark_jax.prompts.sets import PROMPT_SETS
 
-    with named_by_flag(budget="--budgets"):
+    with named_by_flag(budget="--budgets", method="--methods"):
         check_methods(methods, budgets)
     config = generation_config(args, drafter=None)  # each drafter method's comes from --drafter METHOD=PATH
     split = args.split or ("eval" if args.prompts in PROMPT_SETS else None)
-    records = load_prompts(args.prompts, split)[: args.limit]
+    with named_by_flag(split="--split"):
+        records = load_prompts(args.prompts, split)[: args.limit]
 
     from treespark_jax.api import load
     from treespark_jax.decode.cost_store import current_device_kind

@@ -60,8 +60,9 @@ def add_override_args(p: argparse.ArgumentParser, whose: str) -> None:
 
 
 def generation_config(args: argparse.Namespace, **fields):
-    """The ``GenerationConfig`` of a command's flags: each field whose flag the command has (the
-    flag's name is the field's), then ``fields``. Made before any model loads, so bad values fail fast.
+    """The ``GenerationConfig`` of a command's flags: each field whose flag the command has and the
+    user gave or has a default (the flag's name is the field's; one left ``None`` keeps the field's
+    default), then ``fields``. Made before any model loads, so bad values fail fast.
 
     Raises:
       ValueError: a value ``GenerationConfig`` refuses (one sentence naming it by its flag).
@@ -71,7 +72,8 @@ def generation_config(args: argparse.Namespace, **fields):
     from treespark_jax.generation import GenerationConfig
 
     check_at_least(args, max_new_tokens=1)
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig)
+             if getattr(args, f.name, None) is not None}
     with named_by_flag(**{name: flag_of(name) for name in flags}):
         return GenerationConfig(**{**flags, **fields})
 

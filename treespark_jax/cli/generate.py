@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, generation_config, path_arg,
-                                      target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, flag_of, generation_config,
+                                      path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, METHODS
 
 
@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--method", default=None, choices=METHODS,
                      help="decoding method (default: treespark with its shipped drafter where the target has "
                           "one, else ar)")
-    gen.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
-                     help="maximum drafted tree nodes per round (speculative methods)")
+    gen.add_argument("--budget", type=int, default=None,
+                     help=f"maximum drafted tree nodes per round (speculative methods; default: {DEFAULT_BUDGET})")
     gen.add_argument("--drafter", default=None, metavar="PATH", type=path_arg,
                      help=f"drafter directory for {', '.join(DRAFTER_METHODS)}: ours, z-lab DFlash or speculators "
                           "DFlash/DSpark (docs/formats.md; default: the one shipped for the preset), or 'random' "
@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> None:
     check_prompt(args.prompt, args.chat)
     config = generation_config(args)
     if args.method is not None:
-        check_method_options(args.method, drafter=args.drafter, builder=args.builder, verify=args.verify,
-                             skip_drafting=args.skip_drafting, cost_aware_stop=args.cost_aware_stop)
+        check_method_options(args.method, drafter=args.drafter, budget=args.budget, builder=args.builder,
+                             verify=args.verify, skip_drafting=args.skip_drafting,
+                             cost_aware_stop=args.cost_aware_stop, name=flag_of)
     if args.drafter not in (None, "random"):
         detect(args.drafter)
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
@@ -79,12 +80,15 @@ def run(args: argparse.Namespace) -> None:
     lines = [f"[{method}] {_stats_line(result.stats)}"]
     if args.compare_ar:
         ar = lm.generate(args.prompt, config.autoregressive(), chat=args.chat)
-        speedup = result.stats.tokens_per_s / ar.stats.tokens_per_s
+        rate, ar_rate = _rate(result.stats), _rate(ar.stats)
+        speedup = rate / ar_rate if rate and ar_rate else None  # None where either had no decode step
         same = ar.token_ids == result.token_ids if config.greedy else None
         out["ar"] = {"token_ids": ar.token_ids, "stats": _stats_json(ar.stats), "speedup": speedup,
                      "identical": same}
         lines.append(f"[ar] {_stats_line(ar.stats)}")
-        lines.append(f"speedup of {method} over AR: {speedup:.2f}x (same process, decode only)"
+        lines.append(f"speedup of {method} over AR: "
+                     + ("none measured (no decode step)" if speedup is None else f"{speedup:.2f}x")
+                     + " (same process, decode only)"
                      + ("" if same is None else f"; greedy output identical to AR: {'yes' if same else 'NO'}"))
     if args.json:
         print(json.dumps(out))
@@ -93,8 +97,14 @@ def run(args: argparse.Namespace) -> None:
     print("\n" + "\n".join(lines), file=sys.stderr)
 
 
+def _rate(stats) -> float | None:
+    """Decode tokens/s, or ``None`` (JSON null; JSON has no NaN) when the prefill gave the only token
+    of each row, so there was no decode step to time."""
+    return stats.tokens_per_s if stats.new_tokens > stats.rows else None
+
+
 def _stats_json(stats) -> dict:
-    return {"new_tokens": stats.new_tokens, "tokens_per_s": stats.tokens_per_s,
+    return {"new_tokens": stats.new_tokens, "tokens_per_s": _rate(stats),
             "target_forwards": stats.target_forwards, "compiles": stats.compiles, "prefill_s": stats.prefill_s,
             "decode_s": stats.decode_s, "tau": stats.tau, "tau_per_depth": stats.tau_per_depth,
             "rounds": stats.rounds, "rung_rounds": stats.rung_rounds, "skipped_rounds": stats.skipped_rounds,
@@ -102,6 +112,13 @@ def _stats_json(stats) -> dict:
 
 
 def _stats_line(stats) -> str:
-    return (f"{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, τ {stats.tau:.2f}, "
-            f"{stats.target_forwards} target forwards, "
-            + (f"{stats.compiles} programs compiled" if stats.compiles else "no program compiled (all were warm)"))
+    rate = "no decode step" if _rate(stats) is None else f"{stats.tokens_per_s:.1f} tokens/s"
+    tau = f"τ {stats.tau:.2f}" if stats.rounds or not stats.rung_rounds else "no drafted round"  # AR: τ 1
+    compiled = (f"{_count(stats.compiles, 'program')} compiled" if stats.compiles
+                else "no program compiled (all were warm)")
+    forwards = _count(stats.target_forwards, "target forward")
+    return f"{_count(stats.new_tokens, 'token')}, {rate}, {tau}, {forwards}, {compiled}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

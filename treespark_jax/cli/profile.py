@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> None:
 
     contexts = tuple(comma_list("--contexts", args.contexts, int))
     check_at_least(args, repeats=1)
-    with named_by_flag(budget="--budget"):
+    with named_by_flag(budget="--budget", contexts="--contexts"):
         check_profile_args(args.budget, contexts, args.repeats)  # before the slow load
     check_out_file("--json-out", args.json_out)
     name = target_name(args)
@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> None:
     # The drafter that decodes by default (the shipped one), else a random whole-vocabulary one.
     path = shipped_drafter(target.name, "treespark") if args.drafter is None else args.drafter
     drafter = None if path in (None, "random") else load_any(path, target, dtype=target.model.dtype)
-    cost = profile_cost(target.model, target=target_id(name, args.dtype), budget=args.budget,
-                        contexts=contexts, repeats=args.repeats, drafter=drafter, progress=True)
+    with named_by_flag(contexts="--contexts"):  # the contexts the target's positions cannot hold
+        cost = profile_cost(target.model, target=target_id(name, args.dtype), budget=args.budget,
+                            contexts=contexts, repeats=args.repeats, drafter=drafter, progress=True)
     print(cost_table(cost))
     written = save_cost_model(cost, args.json_out or profile_path(cost.device, cost.target))
     print(f"wrote {written}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, check_out_dir, comma_list,
-                                      generation_config, path_arg, target_name)
+                                      generation_config, named_by_flag, path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
 
@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="prompt set (humaneval, gsm8k, mtbench) or a JSONL file with a \"prompt\" per line")
     ro.add_argument("--split", default=None, choices=("train", "eval", "all"),
                     help="split of a prompt set (default: train); a JSONL file is always used whole")
-    ro.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
+    ro.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="only the first N prompts (default: every prompt)")
     ro.add_argument("--out", required=True, metavar="DIR", type=path_arg,
                     help="rollout directory (created; one holding a manifest is resumed)")
     ro.add_argument("--max-new-tokens", type=int, default=256, help="cap on response tokens per prompt")
@@ -33,9 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ro.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch and per shard")
     ro.add_argument("--drafter", default=None, metavar="PATH", type=path_arg,
                     help="generate speculatively with this drafter checkpoint (or 'random')")
-    ro.add_argument("--method", default="treespark", choices=DRAFTER_METHODS,
-                    help="speculative method used with --drafter")
-    ro.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="tree budget N with --drafter")
+    ro.add_argument("--method", default=None, choices=DRAFTER_METHODS,
+                    help="speculative method used with --drafter (default: treespark)")
+    ro.add_argument("--budget", type=int, default=None,
+                    help=f"tree budget N with --drafter (default: {DEFAULT_BUDGET})")
     ro.add_argument("--layer-ids", default=None, metavar="IDS",
                     help="comma-separated target layers of the stored features (default: the drafter's, "
                          "else the default ids for the target)")
@@ -47,37 +49,52 @@ def run(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: ``--limit`` below 1, ``--layer-ids`` that are not integers, a sampling setting or
-        ``--budget`` out of range; the prompt loader (before the target loads), the target loader (a
-        bad ``--mesh`` too) and the rollout writer raise it for their bad input.
+        ``--budget`` out of range, ``--top-p`` below 1 with ``--drafter``, ``--method`` or ``--budget``
+        without ``--drafter``, a ``--drafter`` that holds no drafter; the prompt loader (before the target
+        loads), the target loader (a bad ``--mesh`` too) and the rollout writer raise it for their bad
+        input.
     """
     from pathlib import Path
 
     from treespark_jax.api import load
+    from treespark_jax.drafter.formats import detect
     from treespark_jax.prompts.load import DEFAULT_EVAL_SIZE, load_prompts
     from treespark_jax.prompts.sets import PROMPT_SETS
     from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
 
     check_at_least(args, limit=1, max_new_tokens=1, batch_size=1)
     generation_config(args)  # --temperature, --top-p, --seed and --budget checked as generate checks them
+    given = [f"{flag} {value}" for flag, value in (("--method", args.method), ("--budget", args.budget))
+             if value is not None]
+    if given and args.drafter is None:
+        raise ValueError(f"{' and '.join(given)} set how a drafter speculates; give --drafter too (without one the "
+                         "target answers alone).")
+    method, budget = args.method or "treespark", DEFAULT_BUDGET if args.budget is None else args.budget
+    drafter_id = args.drafter
+    if args.drafter not in (None, "random"):
+        detect(args.drafter)  # a path that holds no drafter fails here, before the target loads
+        drafter_id = str(Path(args.drafter).resolve())
+    with named_by_flag(top_p="--top-p"):
+        settings = RolloutSettings(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+            batch_size=args.batch_size, method=method if args.drafter else "ar",
+            budget=budget if args.drafter else None, drafter=drafter_id)
     check_out_dir("--out", args.out)
-    layer_ids = comma_list("--layer-ids", args.layer_ids, int) if args.layer_ids else None
+    layer_ids = None if args.layer_ids is None else comma_list("--layer-ids", args.layer_ids, int)
     is_set = args.prompts in PROMPT_SETS
     split = args.split or ("train" if is_set else None)
-    prompts = load_prompts(args.prompts, split)[: args.limit]  # before the slow target load
+    with named_by_flag(split="--split"):
+        prompts = load_prompts(args.prompts, split)[: args.limit]  # before the slow target load
     source = {"source": args.prompts if is_set else str(Path(args.prompts).resolve()), "split": split,
               "split_seed": 0, "eval_size": DEFAULT_EVAL_SIZE if is_set else None}
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
-    spec, method, budget, drafter_id = None, "ar", None, None
+    spec = None
     if args.drafter:
-        spec = lm.speculation(method=args.method, budget=args.budget, drafter=args.drafter)
-        layer_ids = layer_ids or list(lm.drafter(args.method, args.drafter).cfg.target_layer_ids)
-        method, budget = args.method, args.budget
-        drafter_id = args.drafter if args.drafter == "random" else str(Path(args.drafter).resolve())
-    settings = RolloutSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                               seed=args.seed, batch_size=args.batch_size, method=method, budget=budget,
-                               drafter=drafter_id)
-    run = write_rollouts(lm.target, prompts, args.out, settings=settings, layer_ids=layer_ids, spec=spec,
-                         engine=lm.engine, source=source)
+        spec = lm.speculation(method=method, budget=budget, drafter=args.drafter)
+        layer_ids = layer_ids or list(lm.drafter(method, args.drafter).cfg.target_layer_ids)
+    with named_by_flag(layer_ids="--layer-ids"):
+        run = write_rollouts(lm.target, prompts, args.out, settings=settings, layer_ids=layer_ids, spec=spec,
+                             engine=lm.engine, source=source)
     m = run.manifest
     rows = [("directory", str(Path(args.out).resolve())),
             ("records", f"{m['records']} ({run.written_records} written now, {run.skipped} already done)"),

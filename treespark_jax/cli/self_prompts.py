@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, check_out_file, path_arg,
-                                      target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, check_out_file, named_by_flag,
+                                      path_arg, target_name)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--limit", type=int, required=True, metavar="N", help="prompts wanted")
     sp.add_argument("--json-out", required=True, metavar="FILE.jsonl", type=path_arg,
                     help="new JSONL file (an existing one is refused)")
-    sp.add_argument("--seed", type=int, default=0, help="generation seed (row i samples with SeedSequence([seed, i]))")
+    sp.add_argument("--seed", type=int, default=0,
+                    help="generation seed, 0..2³²−1 (row i samples with SeedSequence([seed, i]))")
     sp.add_argument("--max-new-tokens", type=int, default=64, help="cap on the tokens of one user turn")
     sp.add_argument("--batch-size", type=int, default=16,
                     help="rows per generation call (the prompts depend on it: keep it to reproduce a file)")
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> None:
     """Writes the prompt file (all at once, through a temporary file) and prints a summary table.
 
     Raises:
-      ValueError: ``--limit``, ``--max-new-tokens`` or ``--batch-size`` below 1, a negative ``--seed``,
+      ValueError: ``--limit``, ``--max-new-tokens`` or ``--batch-size`` below 1, a ``--seed`` outside 0..``MAX_SEED``,
         a ``--json-out`` that exists or whose folder does not (all before the target loads), a bad
         ``--mesh``, a target without a chat template, a ``--user-prefix`` holding a special token, or no
         usable user turn at all (no file is written).
@@ -46,10 +47,13 @@ def run(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from treespark_jax.api import load
+    from treespark_jax.decode.engine import check_sampling
     from treespark_jax.files import write_text_atomic
     from treespark_jax.prompts.self_generated import check_user_prefix, self_generated_prompts
 
-    check_at_least(args, limit=1, max_new_tokens=1, batch_size=1, seed=0)
+    check_at_least(args, limit=1, max_new_tokens=1, batch_size=1)
+    with named_by_flag(seed="--seed"):
+        check_sampling(args.max_new_tokens, 1.0, 1.0, args.seed)  # the seed range of every command
     check_out_file("--json-out", args.json_out)
     out = Path(args.json_out)
     if out.exists():

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 
 from treespark_jax.cli.common import (ALPHA_NOTE, add_mesh_arg, add_target_args, check_at_least, check_out_dir,
-                                      comma_list, flag_of, named_by_flag, path_arg)
+                                      comma_list, flag_of, named_by_flag, path_arg, target_name)
+from treespark_jax.models.presets import DEFAULT_PRESET
 
 # API fields (TrainConfig, OnPolicyConfig, DrafterConfig) whose flag has another name (the others: lr → --lr)
 _FLAGS = {"batch": "--batch-size", "interval": "--tree-interval", "buffer": "--tree-buffer",
@@ -33,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "Multi-host: set "
                     "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (or "
                     "TREESPARK_DISTRIBUTED=1 on TPU pods/Slurm) and run the same command on every host.")
-    add_target_args(tr, default="without either, offline training uses the rollouts' target; --online needs one")
+    add_target_args(tr, default=f"without either, offline training uses the rollouts' target and --online "
+                                f"{DEFAULT_PRESET}")
     source = tr.add_mutually_exclusive_group(required=True)
     source.add_argument("--rollouts", nargs="+", metavar="DIR", type=path_arg,
                         help="rollout directories (offline training)")
@@ -211,9 +213,10 @@ def run(args: argparse.Namespace) -> None:
     mesh = parse_mesh(args.mesh)
     enable_compilation_cache()
     # the drafter's fields, and the online decode's budget, are checked in `train` before run.json is written
-    with _named_by_flag([*fields, *(["budget"] if on_policy else [])]):
+    with _named_by_flag([*fields, "init_layers", "split", *(["budget"] if on_policy else [])]):
         r = train(() if on_policy else args.prompts or args.rollouts, args.loss, args.out, cfg,
-                  target=args.target or args.preset, on_policy=on_policy,
+                  target=target_name(args) if args.online else args.target or args.preset,
+                  on_policy=on_policy,
                   dtype=args.dtype, drafter_fields=fields, init=args.init, init_layers=init_layers,
                   loss_cfg=loss_cfg, mesh=mesh, stop_after=args.stop_after, progress=not args.quiet,
                   online=args.online)

@@ -107,8 +107,8 @@ def load_prompts(source: str | Path, split: str | None = None, *, seed: int = 0,
             "or pass the path of a JSONL file with a \"prompt\" field per line.")
     if split not in (None, "all"):
         raise ValueError(
-            f"split={split!r} was given for the JSONL file {str(path)!r}, but a file is always used "
-            "whole; leave split unset or pass 'all'.")
+            f"split={split!r} does not apply to the JSONL file {str(path)!r}, which is always used whole; "
+            "leave it unset or pass 'all'.")
     return _read_jsonl_prompts(path)
 
 

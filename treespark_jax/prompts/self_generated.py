@@ -92,12 +92,12 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       ValueError: bad arguments, a ``user_prefix`` holding a special token, or a chat template
         without a user-turn header.
     """
-    from treespark_jax.decode.engine import Engine  # the decode stack is only needed here
+    from treespark_jax.decode.engine import Engine, check_sampling  # the decode stack is only needed here
 
-    for name, value, low in (("n", n, 1), ("seed", seed, 0), ("max_new_tokens", max_new_tokens, 1),
-                             ("batch_size", batch_size, 1)):
+    for name, value, low in (("n", n, 1), ("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1)):
         if not (isinstance(value, int) and value >= low):
             raise ValueError(f"{name}={value!r} must be an integer ≥ {low}.")
+    check_sampling(max_new_tokens, 1.0, 1.0, seed)  # the seed range every decode has
     max_rows = 4 * n + batch_size if max_rows is None else max_rows
     if not (isinstance(max_rows, int) and max_rows >= 1):
         raise ValueError(f"max_rows={max_rows!r} must be an integer ≥ 1.")
@@ -116,6 +116,8 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
             cut = next((k for k, t in enumerate(ids) if t in special), len(ids))
             finished = cut < len(ids)
             sample = tokenizer.decode(ids[:cut])
+            if not finished:  # a turn cut at max_new_tokens can end inside a character's bytes
+                sample = sample.rstrip("\ufffd")
             text = (user_prefix + sample).strip()
             if sample.strip() and text not in kept and (finished or not drop_unfinished) and len(kept) < n:
                 kept[text] = PromptRecord("self", f"self/{seed}/{i}", (text,),

@@ -73,6 +73,11 @@ class RolloutSettings:
       method: decoding method (``"ar"``, or a drafter method when speculating).
       budget: tree budget N when speculating, else ``None``.
       drafter: the drafter's identity (checkpoint path) when speculating, else ``None``.
+
+    Raises:
+      ValueError: one sentence naming the value and its limit: what ``check_sampling`` refuses, a
+        batch size below 1, or top_p below 1 when speculating (checked on construction, so a caller
+        can check its settings before the target loads).
     """
 
     max_new_tokens: int = 256
@@ -83,6 +88,14 @@ class RolloutSettings:
     method: str = "ar"
     budget: int | None = None
     drafter: str | None = None
+
+    def __post_init__(self):
+        check_sampling(self.max_new_tokens, self.temperature, self.top_p, self.seed)
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be at least 1.")
+        if self.method != "ar" and self.top_p < 1:
+            raise ValueError(f"top_p={self.top_p} is refused for on-policy rollouts: they log trees for training "
+                             "at top_p=1 only (the tree losses do not model the nucleus).")
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must repeat, under the manifest's keys (``temperature`` is
@@ -252,7 +265,7 @@ def on_policy_generation(session, head: TargetHead, prompts: Sequence[Sequence[i
 def _check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in layer_ids)
     if not ids or len(set(ids)) != len(ids) or not all(0 <= i < n_layers for i in ids):
-        raise ValueError(f"layer ids {list(ids)} must be distinct 0-based decoder layers below {n_layers}.")
+        raise ValueError(f"layer_ids={list(ids)} must be distinct 0-based decoder layers below {n_layers}.")
     return ids
 
 
@@ -286,18 +299,17 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
       A :class:`RolloutRun`.
 
     Raises:
-      ValueError: no prompts, duplicate prompt ids, bad layer ids, a prompt too long for the
-        context, or (``RolloutError``) a directory of another run or of foreign files.
+      ValueError: no prompts, duplicate prompt ids, ``settings.method`` not ``"ar"`` exactly when
+        ``spec`` is ``None``, bad layer ids, a prompt too long for the context, or (``RolloutError``)
+        a directory of another run or of foreign files.
     """
     if not prompts:
         raise ValueError("no prompts were given; pass at least one prompt.")
     if len({p.id for p in prompts}) != len(prompts):
         raise ValueError("prompt ids repeat, so finished prompts could not be told apart on resume.")
-    if settings.batch_size < 1:
-        raise ValueError(f"batch size {settings.batch_size} must be at least 1.")
-    if spec is not None and settings.top_p < 1:
-        raise ValueError(f"on-policy rollouts log trees for training at top_p=1 only, not top_p={settings.top_p} "
-                         "(the tree losses do not model the nucleus).")
+    if (spec is None) != (settings.method == "ar"):
+        raise ValueError(f"settings.method={settings.method!r} does not match the spec given "
+                         f"({'none' if spec is None else 'a speculation'}); set method to the spec's.")
     cfg = target.cfg
     layer_ids = _check_layer_ids(default_layer_ids(cfg.n_layers) if layer_ids is None else layer_ids, cfg.n_layers)
     binding = binding or TargetBinding.of(target)
@@ -308,8 +320,6 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
             raise ValueError(f"prompt {p.id!r} has {len(tokenized[p.id])} tokens and max_new_tokens="
                              f"{settings.max_new_tokens}, together more than the target's context of "
                              f"{cfg.max_positions} tokens.")
-    # The sampling settings too, before the directory is made: a refused run leaves nothing behind.
-    check_sampling(settings.max_new_tokens, settings.temperature, settings.top_p)
     header = {"target": dataclasses.asdict(binding), "layer_ids": list(layer_ids), "d_model": cfg.d_model,
               "identity": identity, "trees": spec is not None}
     with RolloutWriter(out, header) as writer:  # holds the directory's lock until the last shard
