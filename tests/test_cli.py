@@ -409,3 +409,23 @@ def test_generate_refuses_what_it_can_see_before_the_target_loads(capsys, tmp_pa
         assert main(["generate", *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("treespark generate: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_train_online_defaults_to_the_default_preset_and_offline_to_the_rollouts_target(capsys, tmp_path,
+                                                                                       monkeypatch):
+    import treespark_jax.train.loop
+
+    targets = []
+
+    def stub(*args, target=None, **kwargs):  # stands in for the training loop: what target it was given
+        targets.append(target)
+        raise ValueError("stub")
+
+    monkeypatch.setattr(treespark_jax.train.loop, "train", stub)
+    assert main(["train", "--online", "--prompts", "gsm8k", "--loss", "dspark", "--out", str(tmp_path / "a")]) == 2
+    assert main(["train", "--rollouts", str(tmp_path), "--loss", "dspark", "--out", str(tmp_path / "b")]) == 2
+    assert targets == ["smollm2-135m", None] and capsys.readouterr().err.count("stub") == 2
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "offline training uses the rollouts' target and --online smollm2-135m" in text
