@@ -134,9 +134,9 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
 #   1. on-policy rollouts of ITER_LIMIT GSM8K training prompts (a new window each round) with the round's
 #      start drafter (round 1: the treespark stage's drafter; then round r-1's seed-0 treespark drafter),
 #      every verified tree logged;
-#   2. for each seed in ITER_SEEDS, ITER_STEPS steps of `treespark` training from the start drafter on those
-#      trees (plus the plain rollouts of the other sets), and the control: the same steps, data, seed and
-#      start with every tree term off;
+#   2. for each seed in ITER_SEEDS, ITER_STEPS steps of `treespark` training from the start drafter at peak
+#      learning rate ITER_LR on those trees plus every plain training rollout (GSM8K's too), and the control:
+#      the same steps, data, seed and start with every tree term off;
 #   3. offline τ (eval-drafter on the three eval splits) and online τ at equal budget (bench, GSM8K eval
 #      prompts, every round drafted and the whole budget verified) of each, and of round 1's start drafter
 #      (a later round's start is scored already: round r-1's treespark-s0).
@@ -153,6 +153,9 @@ ITER_STEPS=${ITER_STEPS:-600}   # steps per round and variant
 ITER_SEEDS=${ITER_SEEDS:-"0 1"}
 ITER_BENCH=${ITER_BENCH:-16}    # GSM8K eval prompts of the online τ
 ITER_TEMP=${ITER_TEMP:-0}       # temperature of the on-policy rollouts and of the online τ
+# A round fine-tunes a trained drafter: at the stages' 3e-4 and with GSM8K only from the round's window, round 1
+# lowered its start's pooled offline tree τ (2.496 → 2.43–2.46 at temperature 1, docs/training.md).
+ITER_LR=${ITER_LR:-1e-4}
 iter_score() {  # offline and online τ of drafter $1 into $2/{eval,bench}.json (each kept once written)
   [ -f "$2/eval.json" ] || $T eval-drafter --drafter "$1" --rollouts $(plain eval) --method treespark \
     --budget "$BUDGET" --json-out "$2/eval.json"
@@ -179,13 +182,14 @@ PY
     $T rollout --prompts "$dir/prompts.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
       --drafter "$start" --method treespark --budget "$BUDGET" --temperature "$ITER_TEMP" --out "$dir/onpolicy"
     if [ "$r" = 1 ]; then mkdir -p "$dir/start" && iter_score "$start" "$dir/start"; fi  # later: round r-1's
-    local others="$DATA/rollouts-humaneval-train $DATA/rollouts-mtbench-train $(self_rollouts)"
+    local others
+    others=$(train_plain)
     for seed in $ITER_SEEDS; do
       for variant in treespark control; do
         local run="$dir/$variant-s$seed" weights=""
         [ "$variant" = control ] && weights="--loss-weights $NO_TREE_TERMS"
         $T train --rollouts "$dir/onpolicy" $others --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
-          --init "$start" --seed "$seed" \
+          --init "$start" --seed "$seed" --lr "$ITER_LR" \
           --steps "$ITER_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
           --log-every 10 $weights --out "$run"
         iter_score "$run/drafter" "$run"
