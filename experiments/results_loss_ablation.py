@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # the sibling modules, when this
 from results_tables import carried_note, carried_section, fmt  # noqa: E402
 
 # start: the dspark drafter itself; shipped: the treespark stage's run (exported as the shipped drafter);
-# shipped_no_tree_terms: its control (same steps, every tree term off); unit_weights: DESIGN.md §1.4's tree
-# weights, ten times the defaults; the rest: ABLATE_STEPS runs
-ABLATIONS = ("start", "shipped", "shipped_no_tree_terms", "full", "unit_weights", "no_tree_terms", "no_coverage",
-             "no_edge")
+# shipped_no_tree_terms: its control (same steps, every tree term off); the rest: ABLATE_STEPS runs of the
+# default weights (full: the edge term only), the node terms on again (node_terms), DESIGN.md §1.4's weights
+# (unit_weights) and every tree term off (no_tree_terms)
+ABLATIONS = ("start", "shipped", "shipped_no_tree_terms", "full", "node_terms", "unit_weights", "no_tree_terms")
 
 
 TREE_TERMS = {k: getattr(LossConfig(), k) for k in ("tree_tv", "tree_ce", "tree_coverage", "tree_edge")}

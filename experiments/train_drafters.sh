@@ -104,7 +104,9 @@ stage_eval() {
 
 ABLATE_STEPS=${ABLATE_STEPS:-100}  # steps per loss-term ablation run
 NO_TREE_TERMS=tree_tv=0,tree_ce=0,tree_coverage=0,tree_edge=0
-ABLATIONS="full: unit_weights:tree_tv=0.9,tree_ce=0.1,tree_coverage=1,tree_edge=1 no_tree_terms:$NO_TREE_TERMS no_coverage:tree_coverage=0 no_edge:tree_edge=0"
+# full: the default weights (the edge term only); node_terms: the node terms back on at the weights they had
+# before 2026-12-04; unit_weights: DESIGN.md §1.4's own; no_tree_terms: the edge term off too
+ABLATIONS="full: node_terms:tree_tv=0.09,tree_ce=0.01,tree_coverage=0.1 unit_weights:tree_tv=0.9,tree_ce=0.1,tree_coverage=1,tree_edge=1 no_tree_terms:$NO_TREE_TERMS"
 stage_ablate() {  # treespark loss terms, each variant from the dspark drafter for ABLATE_STEPS, offline tree τ on GSM8K eval
   $T rollout --prompts gsm8k --split eval --max-new-tokens "$NEW" --batch-size "$RBATCH" --out "$DATA/rollouts-gsm8k-eval"
   mkdir -p "$DATA/ablate-start"  # the reference: the dspark drafter every variant starts from

@@ -101,8 +101,8 @@ def test_render_writes_tables_verdicts_and_reproduction(measuring, page, tables,
 
 def test_loss_ablation_names_the_changed_weights_and_steps(ablation, tmp_path):
     ev = {"chain_tau": 1.6, "tree_tau": 2.1, "budget": 16, "alpha": [0.5, 0.4, 0.3, 0.2]}
-    runs = (("start", None, 0), ("shipped", {}, 600), ("shipped_no_tree_terms", {"tree_tv": 0.0}, 600),
-            ("full", {}, 100), ("no_edge", {"tree_edge": 0.0}, 100))
+    runs = (("start", None, 0), ("shipped", {}, 600), ("shipped_no_tree_terms", {"tree_edge": 0.0}, 600),
+            ("full", {}, 100), ("node_terms", {"tree_tv": 0.09, "tree_coverage": 0.1}, 100))
     for name, config, steps in runs:
         d = tmp_path / f"ablate-{name}"
         d.mkdir()
@@ -115,9 +115,9 @@ def test_loss_ablation_names_the_changed_weights_and_steps(ablation, tmp_path):
     table = ablation.loss_ablation(tmp_path)
     assert "| start | (the dspark drafter itself) | 0 | 1.600 | 2.100 (16) | 0.50 0.40 0.30 |" in table
     assert "| shipped | — (the run exported as the shipped drafter) | 600 |" in table
-    assert "| shipped_no_tree_terms | tree_tv=0 | 600 |" in table
-    assert "| full | — | 100 |" in table and "| no_edge | tree_edge=0 | 100 |" in table
-    assert "- no_edge against start: chain τ 1.600 → 1.600, tree τ 2.100 → 2.100" in table
+    assert "| shipped_no_tree_terms | tree_edge=0 | 600 |" in table
+    assert "| full | — | 100 |" in table and "| node_terms | tree_tv=0.09, tree_coverage=0.1 | 100 |" in table
+    assert "- node_terms against start: chain τ 1.600 → 1.600, tree τ 2.100 → 2.100" in table
     assert ablation.loss_ablation(tmp_path / "missing") is None
 
 
