@@ -295,6 +295,14 @@ def test_help_shows_the_defaults_it_has(capsys):
     with pytest.raises(SystemExit):
         main(["self-prompts", "--help"])
     assert "(default: )" not in capsys.readouterr().out  # --user-prefix is empty by default
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(0 = greedy) (default: 0.0)" in text and "for sampling (default: 0)" in text  # a 0 is a default too
+    with pytest.raises(SystemExit):
+        main(["profile", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "for the default ladders of N, N/2, ... 1 (default: 8)" in text
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out == f"treespark {treespark_jax.__version__}\n"
@@ -397,9 +405,11 @@ def test_generation_config_is_checked_when_made_and_names_unknown_settings(unche
 def test_generate_refuses_what_it_can_see_before_the_target_loads(capsys, tmp_path, no_target_load):
     for flags, message in ((["--prompt", ""], "the prompt is empty"),
                            (["--prompt", " ", "--chat"], "the prompt is empty"),
-                           (["--prompt", "hi", "--drafter", str(tmp_path / "none")], "does not exist or is not a"),
+                           (["--prompt", "hi", "--drafter", str(tmp_path / "none")],
+                            f"--drafter {tmp_path / 'none'} does not exist or is not a"),
                            (["--prompt", "hi", "--drafter", str(tmp_path)], "has neither drafter.json"),
-                           (["--prompt", "hi", "--method", "ar", "--drafter", "random"], "uses no block drafter"),
+                           (["--prompt", "hi", "--method", "ar", "--drafter", "random"],
+                            "method 'ar' uses no block drafter; drop --drafter 'random'."),
                            (["--prompt", "hi", "--method", "ar", "--builder", "chain", "--budget", "8"],
                             "method 'ar' drafts nothing; drop --budget, --builder."),
                            (["--prompt", "hi", "--method", "ar", "--drafter", "random", "--verify", "rejection",

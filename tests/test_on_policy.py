@@ -283,6 +283,7 @@ def test_online_decoding_refuses_bad_input_in_one_sentence(tmp_path, capsys, tin
         (["--tree-buffer", "0"], ("--tree-buffer 0", "at least 1")),
         (["--decode-prompts", "0"], ("--decode-prompts 0", "at least 1")),
         (["--budget", "5000"], ("--budget 5000", "between 1 and 1024")),  # before the run folder exists
+        (["--budget", "0"], ("--budget 0", "between 1 and 1024")),  # worded as every other command words it
         (["--loss", "dspark", "--budget", "5000"], ("--budget 5000", "between 1 and 1024")),  # no trees: no layout
         (["--prompts", "nosuchset"], ("nosuchset", "gsm8k")),
         (["--prompts", str(tmp_path / "none.jsonl")], ("none.jsonl", "does not exist")),

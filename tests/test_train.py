@@ -277,7 +277,7 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
          (f"--seq-len {shortest} leaves no response token", f"use --seq-len {shortest + 1}")),
         (["--rollouts", rollouts, "--loss", "dspark", "--init-layers", "x"], ("--init-layers 'x'",)),
         (["--rollouts", rollouts, "--loss", "dspark", "--init-layers", "99"],
-         ("--init-layers [99] must name 1 target layer(s)",)),
+         ("--init-layers 99 must name 1 target layer(s)",)),
         (["--rollouts", rollouts, "--loss", "dspark", "--init", tmp_path, "--init-layers", "0"],
          ("--init and --init-layers",)),
         # API fields are named by their flags: the drafter's (checked in `train`) and TrainConfig's
@@ -286,6 +286,8 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
         (["--rollouts", rollouts, "--loss", "dspark", "--block-size", "0"], ("--block-size 0", "at least 1")),
         (["--rollouts", rollouts, "--loss", "dspark", "--lr", "-1"], ("--lr -1.0 must be positive",)),
         (["--rollouts", rollouts, "--loss", "dspark", "--keep", "0"], ("--keep 0", "at least 1")),
+        (["--rollouts", rollouts, "--loss", "dspark", "--min-lr-ratio", "2"],
+         ("--min-lr-ratio 2.0 must lie in [0, 1].",)),
     ]
     for args, words in cases:
         _assert_clean_error(capsys, main(_cli(*args, *base)), out, *words)

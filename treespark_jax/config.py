@@ -364,9 +364,10 @@ class TrainConfig:
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive.")
-        if not 0 <= self.min_lr_ratio <= 1 or not self.weight_decay >= 0:
-            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1] and "
-                             f"weight_decay={self.weight_decay} must be non-negative.")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={self.min_lr_ratio} must lie in [0, 1].")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be non-negative.")
         if not 0 <= self.seed < 2 ** 32:
             raise ValueError(f"seed={self.seed} must lie in [0, 2^32).")
         if self.warmup is None:

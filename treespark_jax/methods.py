@@ -107,18 +107,19 @@ def check_method_options(method: str, *, drafter: object = None, budget: int | N
     method without a block drafter, or for ``ar`` any drafting option given (a budget, a builder, a rule,
     or draft skipping or the stop turned on); checked before anything loads. ``name`` words an option
     in the error (the CLI's gives its flag)."""
-    check_drafter_use(method, drafter)
+    check_drafter_use(method, drafter, name)
     given = {"budget": budget is not None, "builder": builder is not None, "verify": verify is not None,
              "skip_drafting": bool(skip_drafting), "cost_aware_stop": bool(cost_aware_stop)}
     if recipe(method).proposer is None and any(given.values()):
         raise ValueError(f"method 'ar' drafts nothing; drop {', '.join(name(k) for k, v in given.items() if v)}.")
 
 
-def check_drafter_use(method: str, drafter: object) -> None:
+def check_drafter_use(method: str, drafter: object, name: Callable[[str], str] = str) -> None:
     """Raises ``ValueError`` (one sentence) for a drafter (anything but ``None``) given to a method that
-    uses no block drafter (``ar``, ``prompt_lookup``)."""
+    uses no block drafter (``ar``, ``prompt_lookup``); ``name`` words the option, as in
+    ``check_method_options``."""
     if drafter is not None and recipe(method).proposer != "block":
-        raise ValueError(f"method {method!r} uses no block drafter; drop the drafter {drafter!r}.")
+        raise ValueError(f"method {method!r} uses no block drafter; drop {name('drafter')} {drafter!r}.")
 
 
 def speculation(method: str, target: Decoder, budget: int = DEFAULT_BUDGET, *,

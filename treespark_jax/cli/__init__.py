@@ -35,13 +35,16 @@ _COMMANDS = {"generate": generate, "bench": bench, "models": models, "profile": 
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
-    """``--help`` ends each option's help with its default, unless the help already says it or
-    there is none to say (``None``, ``False``, an empty text or list, a flag that takes no value)."""
+    """``--help`` ends each option's help with its default, unless the help already says it
+    (``(default…``) or there is none to say (``None``, ``False``, an empty text or list, a flag that
+    takes no value); a default of 0 is said."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.option_strings and action.nargs != 0
-                and action.default not in (None, False, "", [], argparse.SUPPRESS) and "default" not in text):
+        default = action.default
+        none = default is None or default is False or (isinstance(default, str | list) and not default)
+        if action.option_strings and action.nargs != 0 and not none and default != argparse.SUPPRESS \
+                and "(default" not in text:
             text += " (default: %(default)s)"
         return text
 

@@ -8,8 +8,9 @@ import os
 import platform
 import sys
 
-from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_at_least, check_out_file,
-                                      comma_list, generation_config, named_by_flag, path_arg, target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_at_least,
+                                      check_drafter_path, check_out_file, comma_list, generation_config, named_by_flag,
+                                      path_arg, target_name)
 from treespark_jax.methods import DRAFTER_METHODS, METHODS
 
 ALL_METHODS = ",".join(METHODS)
@@ -44,15 +45,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _drafters(pairs: list[str]) -> dict[str, str]:
-    from treespark_jax.drafter.formats import detect
-
     out = {}
     for pair in pairs:
         method, sep, path = pair.partition("=")
         if not sep or method not in DRAFTER_METHODS or not path:
             raise ValueError(f"--drafter {pair!r} must be METHOD=PATH with METHOD one of {', '.join(DRAFTER_METHODS)}.")
-        if path != "random":
-            detect(path)  # a path that holds no drafter fails here, before the target loads
+        check_drafter_path(path)
         out[method] = path
     return out
 

@@ -133,6 +133,20 @@ def comma_list(flag: str, text: str, cast: Callable[[str], Any] = str) -> list:
         raise ValueError(f"{flag} {text!r} must be comma-separated integers.") from None
 
 
+def check_drafter_path(path: str | None) -> None:
+    """Refuses, before any model loads, a ``--drafter`` path that holds no drafter of a format we
+    read (``None`` and ``"random"`` pass).
+
+    Raises:
+      ValueError: what ``drafter.formats.detect`` refuses, naming ``--drafter``.
+    """
+    from treespark_jax.drafter.formats import detect
+
+    if path not in (None, "random"):
+        with named_by_flag(drafter="--drafter"):
+            detect(path)
+
+
 def target_name(args: argparse.Namespace) -> str:
     """The target the user asked for: ``--target``, else ``--preset``, else the default preset."""
     return args.target or args.preset or DEFAULT_PRESET

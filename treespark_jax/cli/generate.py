@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, flag_of, generation_config,
-                                      path_arg, target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_drafter_path, flag_of,
+                                      generation_config, path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, METHODS
 
 
@@ -54,7 +54,6 @@ def run(args: argparse.Namespace) -> None:
         drafter directory and a drafter given to a method without one are refused before the target loads.
     """
     from treespark_jax.api import check_prompt, load
-    from treespark_jax.drafter.formats import detect
     from treespark_jax.methods import check_method_options
 
     # checked before the seconds of loading
@@ -64,8 +63,7 @@ def run(args: argparse.Namespace) -> None:
         check_method_options(args.method, drafter=args.drafter, budget=args.budget, builder=args.builder,
                              verify=args.verify, skip_drafting=args.skip_drafting,
                              cost_aware_stop=args.cost_aware_stop, name=flag_of)
-    if args.drafter not in (None, "random"):
-        detect(args.drafter)
+    check_drafter_path(args.drafter)
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
     method = args.method or lm.default_method
     config = config.replace(method=method)
@@ -87,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
                      "identical": same}
         lines.append(f"[ar] {_stats_line(ar.stats)}")
         lines.append(f"speedup of {method} over AR: "
-                     + ("none measured (no decode step)" if speedup is None else f"{speedup:.2f}x")
+                     + ("none measured, no decode step" if speedup is None else f"{speedup:.2f}x")
                      + " (same process, decode only)"
                      + ("" if same is None else f"; greedy output identical to AR: {'yes' if same else 'NO'}"))
     if args.json:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treespark_jax.cli.common import (add_target_args, check_at_least, check_out_file, comma_list, named_by_flag,
-                                      path_arg, target_name)
+from treespark_jax.cli.common import (add_target_args, check_at_least, check_drafter_path, check_out_file, comma_list,
+                                      named_by_flag, path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET
 
 
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> None:
     with named_by_flag(budget="--budget", contexts="--contexts"):
         check_profile_args(args.budget, contexts, args.repeats)  # before the slow load
     check_out_file("--json-out", args.json_out)
+    check_drafter_path(args.drafter)
     name = target_name(args)
     target = load_target(name, args.dtype)
     # The drafter that decodes by default (the shipped one), else a random whole-vocabulary one.

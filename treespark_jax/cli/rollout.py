@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, check_out_dir, comma_list,
-                                      generation_config, named_by_flag, path_arg, target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, check_drafter_path, check_out_dir,
+                                      comma_list, generation_config, named_by_flag, path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
 
@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from treespark_jax.api import load
-    from treespark_jax.drafter.formats import detect
     from treespark_jax.prompts.load import DEFAULT_EVAL_SIZE, load_prompts
     from treespark_jax.prompts.sets import PROMPT_SETS
     from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
@@ -70,10 +69,8 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"{' and '.join(given)} set how a drafter speculates; give --drafter too (without one the "
                          "target answers alone).")
     method, budget = args.method or "treespark", DEFAULT_BUDGET if args.budget is None else args.budget
-    drafter_id = args.drafter
-    if args.drafter not in (None, "random"):
-        detect(args.drafter)  # a path that holds no drafter fails here, before the target loads
-        drafter_id = str(Path(args.drafter).resolve())
+    check_drafter_path(args.drafter)
+    drafter_id = args.drafter if args.drafter in (None, "random") else str(Path(args.drafter).resolve())
     with named_by_flag(top_p="--top-p"):
         settings = RolloutSettings(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -99,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
     rows = [("directory", str(Path(args.out).resolve())),
             ("records", f"{m['records']} ({run.written_records} written now, {run.skipped} already done)"),
             ("tokens", f"{m['tokens']} ({m['response_tokens']} response)"),
-            ("size", f"{m['bytes'] / 1e6:.1f} MB in {len(m['shards'])} shards"),
+            ("size", f"{m['bytes'] / 1e6:.1f} MB in {len(m['shards'])} shard" + ("" if len(m["shards"]) == 1 else "s")),
             ("layer ids", ", ".join(map(str, m["layer_ids"]))),
             ("seconds", f"generate {run.generate_s:.1f}, features {run.features_s:.1f}, write {run.write_s:.1f}")]
     print("\n".join(f"{k:<10} {v}" for k, v in rows))

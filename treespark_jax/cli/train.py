@@ -29,8 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "heads and MLP width over `model`; default every device on `data`). Checkpoints "
                     "(model, optimizer, step, data iterator) go to OUT/checkpoints; re-running the same "
                     "command resumes exactly. Metrics go to the console, OUT/metrics.jsonl and "
-                    "TensorBoard (OUT/tb); the trained drafter to OUT/drafter. The target (only its "
-                    "embedding and LM head are used) defaults to the one the rollouts were made with. "
+                    "TensorBoard (OUT/tb); the trained drafter to OUT/drafter. Offline, the target (only its "
+                    "embedding and LM head are used) defaults to the one the rollouts were made with; "
+                    f"--online runs the whole target, {DEFAULT_PRESET} unless --preset or --target names another. "
                     "Multi-host: set "
                     "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (or "
                     "TREESPARK_DISTRIBUTED=1 on TPU pods/Slurm) and run the same command on every host.")
@@ -195,7 +196,7 @@ def run(args: argparse.Namespace) -> None:
     if args.prompts and not args.online:
         raise ValueError("--prompts feeds online training; add --online, or train offline on --rollouts DIR.")
     check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2, tree_interval=1, tree_buffer=1,
-                   decode_prompts=1, budget=1, max_new_tokens=1)
+                   decode_prompts=1, max_new_tokens=1)
     check_out_dir("--out", args.out)
     on_policy = on_policy_config(args)
     settings = dict(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,

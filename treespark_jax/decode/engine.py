@@ -67,7 +67,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: 
         raise ValueError(f"seed={seed!r} must be a whole number or a list of them.")
     bad = next((s for s in row_seeds(n_rows, seed) if not 0 <= s <= MAX_SEED), None)
     if bad is not None:
-        raise ValueError(f"seed {bad} is outside 0..{MAX_SEED} (prompt i of a batch uses seed + i).")
+        raise ValueError(f"seed {bad} is outside 0..{MAX_SEED}"
+                         + (" (prompt i of a batch uses seed + i)." if n_rows > 1 else "."))
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1.")
     check_temperature_top_p(temperature, top_p)

@@ -193,7 +193,7 @@ class BlockDrafter(nnx.Module):
         """
         ids = [int(i) for i in layer_ids]
         if len(ids) != self.cfg.n_layers or not all(0 <= i < target.cfg.n_layers for i in ids):
-            raise ValueError(f"init_layers={ids} must name {self.cfg.n_layers} target layer(s) in "
+            raise ValueError(f"init_layers={','.join(map(str, ids))} must name {self.cfg.n_layers} target layer(s) in "
                              f"0..{target.cfg.n_layers - 1}, one per drafter layer.")
         for layer, i in zip(self.layers, ids):
             for name, value in target.layers[i].arrays(target.cfg).items():

@@ -265,7 +265,8 @@ def on_policy_generation(session, head: TargetHead, prompts: Sequence[Sequence[i
 def _check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> tuple[int, ...]:
     ids = tuple(int(i) for i in layer_ids)
     if not ids or len(set(ids)) != len(ids) or not all(0 <= i < n_layers for i in ids):
-        raise ValueError(f"layer_ids={list(ids)} must be distinct 0-based decoder layers below {n_layers}.")
+        raise ValueError(f"layer_ids={','.join(map(str, ids))} must be distinct 0-based decoder layers below "
+                         f"{n_layers}.")
     return ids
 
 

@@ -323,7 +323,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         raise ValueError(f"--prompts {on_policy.prompts} is decoded on one process; a multi-host online run "
                          "reads rollout directories' tokens (--prompts DIR).")
     if stop_after is not None and not 1 <= stop_after <= cfg.steps:
-        raise ValueError(f"--stop-after {stop_after} must lie in [1, steps={cfg.steps}].")
+        raise ValueError(f"--stop-after {stop_after} must lie in [1, {cfg.steps}], the run's steps.")
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out {out} is a file, not a run directory.")
     dirs = [Path(rollouts)] if isinstance(rollouts, (str, Path)) else [Path(d) for d in rollouts]
