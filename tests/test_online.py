@@ -236,7 +236,8 @@ def test_cli_online_run_matches_the_offline_run_and_refuses_bad_input(  # noqa: 
     out = tmp_path / "out"
     base = [*common, "--out", str(out)]
     cases = [
-        (["--online", "--prompts", str(rollouts)], ("--online", "--target", "--preset")),
+        # without --target or --preset, --online runs the default preset (test_cli); an unknown one is named
+        (["--online", "--prompts", str(rollouts), "--preset", "no-such-model"], ("no-such-model",)),
         (["--online", "--rollouts", str(rollouts), "--target", str(tiny_dir)], ("--prompts",)),
         (["--prompts", str(rollouts), "--target", str(tiny_dir)], ("--prompts", "--online")),
         (["--online", "--prompts", str(other), "--target", str(tiny_dir)], ("target", "sha256")),
