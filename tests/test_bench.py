@@ -74,6 +74,9 @@ def test_bench_sampled_rows_have_no_greedy_check(tiny_dir, prompt_file, tmp_path
 
 @pytest.mark.parametrize("flags, message", [
     (["--methods", "ar,fast"], "--methods 'fast' is unknown; choose from ar,"),
+    (["--methods", "ar", "--builder", "chain"], "method 'ar' drafts nothing; drop --builder."),
+    (["--methods", "ar,prompt_lookup", "--drafter", "treespark=random"],
+     "--drafter treespark=random is for treespark, which --methods ar,prompt_lookup does not run"),
     (["--budgets", "4,x"], "--budgets '4,x' must be comma-separated integers"),
     (["--budgets", "4,,8"], "--budgets '4,,8' has an empty entry"),
     (["--budgets", "0"], "--budgets 0 must be a whole number of drafted nodes between 1 and 1024"),

@@ -9,9 +9,9 @@ import platform
 import sys
 
 from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_at_least,
-                                      check_drafter_path, check_out_file, comma_list, generation_config, named_by_flag,
-                                      path_arg, target_name)
-from treespark_jax.methods import DRAFTER_METHODS, METHODS
+                                      check_drafter_path, check_out_file, comma_list, flag_of, generation_config,
+                                      named_by_flag, path_arg, target_name)
+from treespark_jax.methods import DRAFTER_METHODS, METHODS, check_method_options, recipe
 
 ALL_METHODS = ",".join(METHODS)
 
@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> None:
     Raises:
       ValueError: unknown method, bad budgets, ``--limit`` or ``--repeats`` below 1, sampling
         settings ``GenerationConfig`` refuses, a split given for a file, a missing ``--json-out``
-        folder, a bad ``--drafter``, and whatever ``load_prompts``, ``api.load`` (a bad ``--mesh``)
+        folder, a bad ``--drafter`` or one for a method ``--methods`` does not run, drafting overrides
+        when only ``ar`` runs, and whatever ``load_prompts``, ``api.load`` (a bad ``--mesh``)
         and ``bench.compare`` raise.
     """
     methods = comma_list("--methods", args.methods)
@@ -97,6 +98,13 @@ def run(args: argparse.Namespace) -> None:
 
     with named_by_flag(budget="--budgets", method="--methods"):
         check_methods(methods, budgets)
+    unused = next((m for m in drafters if m not in methods), None)
+    if unused is not None:
+        raise ValueError(f"--drafter {unused}={drafters[unused]} is for {unused}, which --methods "
+                         f"{args.methods} does not run; add it to --methods or drop the --drafter.")
+    if all(recipe(m).proposer is None for m in methods):  # only ar: the drafting overrides would go unused
+        check_method_options("ar", builder=args.builder, verify=args.verify, skip_drafting=args.skip_drafting,
+                             cost_aware_stop=args.cost_aware_stop, name=flag_of)
     config = generation_config(args, drafter=None)  # each drafter method's comes from --drafter METHOD=PATH
     split = args.split or ("eval" if args.prompts in PROMPT_SETS else None)
     with named_by_flag(split="--split"):
