@@ -111,7 +111,7 @@ def check_method_options(method: str, *, drafter: object = None, budget: int | N
     given = {"budget": budget is not None, "builder": builder is not None, "verify": verify is not None,
              "skip_drafting": bool(skip_drafting), "cost_aware_stop": bool(cost_aware_stop)}
     if recipe(method).proposer is None and any(given.values()):
-        raise ValueError(f"method 'ar' drafts nothing; drop {', '.join(name(k) for k, v in given.items() if v)}.")
+        raise ValueError(f"method {method!r} drafts nothing; drop {', '.join(name(k) for k, v in given.items() if v)}.")
 
 
 def check_drafter_use(method: str, drafter: object, name: Callable[[str], str] = str) -> None:

@@ -192,12 +192,13 @@ def check_profile_args(budget: int, contexts: tuple[int, ...], repeats: int, max
         raise ValueError(f"repeats={repeats} must be at least 1.")
     if not contexts:
         raise ValueError("give at least one context length to profile.")
+    given = f"contexts={','.join(map(str, contexts))}"  # as a --contexts flag spells them
     if list(contexts) != sorted(set(contexts)):
-        raise ValueError(f"contexts={','.join(map(str, contexts))} must be in strictly ascending order.")
+        raise ValueError(f"{given} must be in strictly ascending order.")
     if contexts[0] < 1:
-        raise ValueError(f"contexts={','.join(map(str, contexts))} must each be at least 1 committed token.")
+        raise ValueError(f"{given} must each be at least 1 committed token.")
     if max_positions is not None and contexts[-1] + budget + 1 > max_positions:
-        raise ValueError(f"contexts={','.join(map(str, contexts))} reach {contexts[-1]} tokens, which with the "
+        raise ValueError(f"{given} reach {contexts[-1]} tokens, which with the "
                          f"{budget + 1} verify rows of budget {budget} pass the model's {max_positions} positions.")
 
 

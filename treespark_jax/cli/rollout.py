@@ -68,14 +68,14 @@ def run(args: argparse.Namespace) -> None:
     if given and args.drafter is None:
         raise ValueError(f"{' and '.join(given)} set how a drafter speculates; give --drafter too (without one the "
                          "target answers alone).")
-    method, budget = args.method or "treespark", DEFAULT_BUDGET if args.budget is None else args.budget
+    method, budget = ("ar", None) if args.drafter is None else (
+        args.method or "treespark", DEFAULT_BUDGET if args.budget is None else args.budget)
     check_drafter_path(args.drafter)
     drafter_id = args.drafter if args.drafter in (None, "random") else str(Path(args.drafter).resolve())
     with named_by_flag(top_p="--top-p"):
         settings = RolloutSettings(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-            batch_size=args.batch_size, method=method if args.drafter else "ar",
-            budget=budget if args.drafter else None, drafter=drafter_id)
+            batch_size=args.batch_size, method=method, budget=budget, drafter=drafter_id)
     check_out_dir("--out", args.out)
     layer_ids = None if args.layer_ids is None else comma_list("--layer-ids", args.layer_ids, int)
     is_set = args.prompts in PROMPT_SETS
