@@ -58,7 +58,7 @@ stage_rollouts() {
     $T rollout --prompts "$s" --split eval --max-new-tokens "$NEW" --batch-size "$RBATCH" --out "$DATA/rollouts-$s-eval"
   done
   if [ "$SELF" -gt 0 ]; then
-    # the prompt file is written once (seeded, so a re-run would write the same); its rollouts resume
+    # self-prompts resumes from its progress file, and the rollouts from their shards
     [ -f "$DATA/self-prompts-$SELF.jsonl" ] || $T self-prompts --limit "$SELF" --seed 0 --batch-size "$RBATCH" \
       --json-out "$DATA/self-prompts-$SELF.jsonl"
     $T rollout --prompts "$DATA/self-prompts-$SELF.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \

@@ -209,6 +209,7 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     args = ["self-prompts", "--preset", preset, "--limit", "3", "--max-new-tokens", "24", "--batch-size", "4"]
     assert main(args + ["--json-out", str(out)]) == 0
     assert "prompts  3 of 3" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["self.jsonl"]  # its progress file and lock are gone
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [set(x) for x in lines] == [{"id", "prompt", "seed", "finished"}] * 3
     records = load_prompts(out)
@@ -223,6 +224,7 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     flags = ["--max-new-tokens", "2", "--batch-size", "4", "--drop-unfinished", "--json-out", str(none)]
     assert main(args[:-4] + flags) == 2
     assert "no usable user turn" in capsys.readouterr().err and not none.exists()
+    assert not list(tmp_path.glob("*none*"))  # nor its progress
     special = ["--user-prefix", "Write code.<|im_end|>", "--json-out", str(none)]
     assert main(args + special) == 2  # refused by its flag's name, nothing written
     err = capsys.readouterr().err.strip()

@@ -328,6 +328,68 @@ def test_a_turn_cut_inside_a_character_drops_its_partial_bytes(tiny_lm):
     assert all(r.turns[0].endswith("\ufffd") == r.meta["finished"] for r in out)
 
 
+def test_an_interrupted_run_resumes_from_its_progress_file(tiny_lm, tmp_path):
+    kw = dict(seed=7, max_new_tokens=12, batch_size=4)
+    whole = self_generated_prompts(tiny_lm, 10, **kw)
+    calls = []
+
+    class Counted:  # counts the batches drawn; stop_at: the call a kill interrupts
+        stop_at = 2
+
+        def generate(self, prompts, *args):
+            calls.append(len(prompts))
+            if len(calls) == self.stop_at:
+                raise KeyboardInterrupt
+            return tiny_lm.engine.generate(prompts, *args)
+
+    lm = SimpleNamespace(tokenizer=tiny_lm.tokenizer, model=tiny_lm.model, engine=Counted())
+    progress = tmp_path / "p.jsonl.progress"
+    with pytest.raises(KeyboardInterrupt):
+        self_generated_prompts(lm, 10, progress=progress, target={"sha256": "a"}, **kw)
+    lines = progress.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["next_row"] == 4  # the header and the first batch
+    with open(progress, "a") as f:
+        f.write('{"next_row": 8, "prompts": [{"id"')  # a line cut by a kill
+    calls.clear()
+    Counted.stop_at = 0
+    resumed = self_generated_prompts(lm, 10, progress=progress, target={"sha256": "a"}, **kw)
+    assert resumed == whole  # as one uninterrupted run
+    rows = [json.loads(line)["next_row"] for line in progress.read_text().splitlines()[1:]]
+    assert rows == list(range(4, rows[-1] + 1, 4))  # the cut line was dropped, every batch logged once
+    assert len(calls) == len(rows) - 1  # the first batch was read back, not drawn again
+    # The progress of a longer run serves a shorter one; a longer one draws on from it.
+    assert self_generated_prompts(tiny_lm, 3, progress=progress, target={"sha256": "a"}, **kw) == whole[:3]
+    assert (self_generated_prompts(tiny_lm, 14, progress=progress, target={"sha256": "a"}, **kw)
+            == self_generated_prompts(tiny_lm, 14, **kw))
+    before = progress.read_text()
+    with pytest.raises(ValueError, match=r"written with other settings \(seed=7, batch_size=4\); repeat them"):
+        self_generated_prompts(tiny_lm, 3, progress=progress, target={"sha256": "a"}, seed=8, max_new_tokens=12,
+                               batch_size=2)
+    with pytest.raises(ValueError, match=r"other settings \(another target\)"):
+        self_generated_prompts(tiny_lm, 3, progress=progress, target={"sha256": "b"}, **kw)
+    assert progress.read_text() == before
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("my notes\nmore")
+    with pytest.raises(ValueError, match=r"'.*notes.txt' is not a progress file of self-generated prompts"):
+        self_generated_prompts(tiny_lm, 3, progress=foreign, **kw)
+    assert foreign.read_text() == "my notes\nmore"  # untouched
+
+
+def test_a_progress_file_has_one_writer(tiny_lm, tmp_path):
+    from treespark_jax.files import hold_file_lock, remove_locked_file
+
+    progress = tmp_path / "p.jsonl.progress"
+    release = hold_file_lock(progress, "progress file")
+    with pytest.raises(ValueError, match=r"progress file '.*p.jsonl.progress' is being written by another treespark "
+                                         r"process; wait for it to finish or choose another file"):
+        self_generated_prompts(tiny_lm, 2, max_new_tokens=12, batch_size=4, progress=progress)
+    assert not progress.exists()
+    release()
+    assert len(self_generated_prompts(tiny_lm, 2, max_new_tokens=12, batch_size=4, progress=progress)) == 2
+    remove_locked_file(progress)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_self_generated_prompts_give_up_after_max_rows(tiny_lm, caplog):
     out = self_generated_prompts(tiny_lm, 50, seed=7, max_new_tokens=12, batch_size=4, max_rows=4,
                                  drop_unfinished=True)

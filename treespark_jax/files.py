@@ -117,10 +117,44 @@ def hold_lock(directory: Path, what: str) -> Callable[[], None]:
     Raises:
       ValueError: another process holds the lock (one sentence naming the directory).
     """
-    release = _lock(directory / LOCK_NAME, timeout=0)
+    return _hold(directory / LOCK_NAME, f"{what} {str(directory)!r}", "directory")
+
+
+def hold_file_lock(path: Path, what: str) -> Callable[[], None]:
+    """Takes the exclusive lock of an output file (the hidden ``.<name>.lock`` beside it), without waiting.
+
+    As ``hold_lock``, for a file that grows over several runs (a resumable log);
+    ``remove_locked_file`` removes both once the file is no longer needed.
+
+    Args:
+      path: the file (its folder must exist).
+      what: how an error names it, e.g. ``"progress file"``.
+
+    Returns:
+      The function that releases the lock.
+
+    Raises:
+      ValueError: another process holds the lock (one sentence naming the file).
+    """
+    return _hold(_file_lock(path), f"{what} {str(path)!r}", "file")
+
+
+def remove_locked_file(path: Path) -> None:
+    """Removes a file kept under ``hold_file_lock`` and its lock file, once no run needs it (call it
+    after releasing the lock; a missing file is no error)."""
+    path.unlink(missing_ok=True)
+    _file_lock(path).unlink(missing_ok=True)
+
+
+def _file_lock(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
+def _hold(lock: Path, named: str, kind: str) -> Callable[[], None]:
+    release = _lock(lock, timeout=0)
     if release is None:
-        raise ValueError(f"{what} {str(directory)!r} is being written by another treespark process; wait for "
-                         "it to finish or choose another directory.")
+        raise ValueError(f"{named} is being written by another treespark process; wait for it to finish or "
+                         f"choose another {kind}.")
     return release
 
 

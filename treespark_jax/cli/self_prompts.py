@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_target_args(sp)
     sp.add_argument("--limit", type=int, required=True, metavar="N", help="prompts wanted")
     sp.add_argument("--json-out", required=True, metavar="FILE.jsonl", type=path_arg,
-                    help="new JSONL file (an existing one is refused)")
+                    help="new JSONL file (an existing one is refused); FILE.jsonl.progress records the batches "
+                         "drawn so far, and a run given the same flags resumes from it")
     sp.add_argument("--seed", type=int, default=0,
                     help="generation seed, 0..2³²−1 (row i samples with SeedSequence([seed, i]))")
     sp.add_argument("--max-new-tokens", type=int, default=64, help="cap on the tokens of one user turn")
@@ -36,20 +37,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     """Writes the prompt file (all at once, through a temporary file) and prints a summary table.
 
+    Each drawn batch is recorded in ``<--json-out>.progress`` as it is drawn, so an interrupted run
+    given the same flags resumes after its last batch; the progress file is removed once the
+    prompt file is written.
+
     Raises:
       ValueError: ``--limit``, ``--max-new-tokens`` or ``--batch-size`` below 1, a ``--seed`` outside 0..``MAX_SEED``,
         a ``--json-out`` that exists or whose folder does not (all before the target loads), a bad
-        ``--mesh``, a target without a chat template, a ``--user-prefix`` holding a special token, or no
-        usable user turn at all (no file is written).
+        ``--mesh``, a target without a chat template, a ``--user-prefix`` holding a special token, a
+        progress file of other flags or another target, or in use by another run, or no usable user
+        turn at all (no prompt file is written).
     """
+    import dataclasses
     import json
     import time
     from pathlib import Path
 
     from treespark_jax.api import load
     from treespark_jax.decode.engine import check_sampling
-    from treespark_jax.files import write_text_atomic
-    from treespark_jax.prompts.self_generated import check_user_prefix, self_generated_prompts
+    from treespark_jax.drafter.checkpoint import TargetBinding
+    from treespark_jax.files import remove_locked_file, write_text_atomic
+    from treespark_jax.prompts.self_generated import check_user_prefix, prompt_line, self_generated_prompts
 
     check_at_least(args, limit=1, max_new_tokens=1, batch_size=1)
     with named_by_flag(seed="--seed"):
@@ -58,20 +66,23 @@ def run(args: argparse.Namespace) -> None:
     out = Path(args.json_out)
     if out.exists():
         raise ValueError(f"--json-out {args.json_out} already exists; remove it or choose another file.")
+    progress = out.with_name(out.name + ".progress")
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
     check_user_prefix(lm.tokenizer, args.user_prefix, "--user-prefix")
     start = time.perf_counter()
     records = self_generated_prompts(lm, args.limit, seed=args.seed, max_new_tokens=args.max_new_tokens,
                                      batch_size=args.batch_size, user_prefix=args.user_prefix,
-                                     drop_unfinished=args.drop_unfinished)
+                                     drop_unfinished=args.drop_unfinished, progress=progress,
+                                     target=dataclasses.asdict(TargetBinding.of(lm.target)))
     seconds = time.perf_counter() - start
-    if not records:
+    if not records:  # a finished run: its progress says nothing a rerun could use
+        remove_locked_file(progress)
         raise ValueError(f"no usable user turn came out of the target (--max-new-tokens {args.max_new_tokens}"
                          f"{', --drop-unfinished' if args.drop_unfinished else ''}); nothing was written, raise "
                          "--max-new-tokens or drop --drop-unfinished.")
-    lines = [json.dumps({"id": r.id, "prompt": r.turns[0], "seed": r.meta["seed"], "finished": r.meta["finished"]},
-                        ensure_ascii=False) for r in records]
+    lines = [json.dumps(prompt_line(r), ensure_ascii=False) for r in records]
     write_text_atomic(out, "".join(line + "\n" for line in lines))  # never half-written under its name
+    remove_locked_file(progress)
     rows = [("file", str(out.resolve())),
             ("prompts", f"{len(records)} of {args.limit} "
                         f"({sum(r.meta['finished'] for r in records)} ended at end-of-turn)"),

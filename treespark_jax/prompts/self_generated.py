@@ -8,15 +8,19 @@ text from there at temperature 1 until its end-of-turn token. See :func:`self_ge
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from treespark_jax.files import hold_file_lock
 from treespark_jax.prompts.chat import user_turn_prefix
 from treespark_jax.prompts.sets import PromptRecord
 
-__all__ = ["check_user_prefix", "self_generated_prompts"]
+__all__ = ["check_user_prefix", "prompt_line", "self_generated_prompts"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +53,78 @@ def check_user_prefix(tokenizer: Any, user_prefix: str, name: str = "user_prefix
     return special
 
 
+def prompt_line(record: PromptRecord) -> dict[str, Any]:
+    """A self-generated prompt as one JSONL object, ``{"id", "prompt", "seed", "finished"}``: the
+    line ``treespark self-prompts`` writes and ``treespark rollout --prompts FILE.jsonl`` reads."""
+    return {"id": record.id, "prompt": record.turns[0], "seed": record.meta["seed"],
+            "finished": record.meta["finished"]}
+
+
+def _record(line: dict[str, Any]) -> PromptRecord:
+    """``prompt_line``'s inverse."""
+    text = line["prompt"]
+    return PromptRecord("self", line["id"], (text,), {"raw": text, "seed": line["seed"], "finished": line["finished"]})
+
+
+class _Progress:
+    """The progress file of a resumable run: a header line ``{"settings": …}``, then one line per
+    drawn batch, ``{"next_row": R, "prompts": [prompt_line, …]}`` (the batch's kept prompts), each
+    flushed to disk before the next batch is drawn. A last line cut by a killed process is dropped
+    on reopening. The file's lock (``files.hold_file_lock``) is held while it is open."""
+
+    def __init__(self, path: Path, settings: dict[str, Any]):
+        self.path = path
+        self.release = hold_file_lock(path, "progress file")
+        try:
+            self.kept, self.next_row = self._read(settings)
+            self.file = open(path, "a", encoding="utf-8")
+            if not self.path.stat().st_size:
+                self._append({"settings": settings})
+        except BaseException:
+            self.release()
+            raise
+
+    def _read(self, settings: dict[str, Any]) -> tuple[dict[str, PromptRecord], int]:
+        if not self.path.exists():
+            return {}, 0
+        data = self.path.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]  # complete lines only
+        try:
+            lines = [json.loads(line) for line in whole.decode("utf-8").splitlines()]
+            stored = dict(lines[0]["settings"]) if lines else settings
+            kept = {r.turns[0]: r for line in lines[1:] for r in map(_record, line["prompts"])}
+            next_row = int(lines[-1]["next_row"]) if len(lines) > 1 else 0
+        except (ValueError, KeyError, TypeError, IndexError):
+            raise ValueError(f"{str(self.path)!r} is not a progress file of self-generated prompts; move it away "
+                             "or choose another output.") from None
+        differ = [k for k in settings if stored.get(k) != settings[k]]
+        if differ:
+            raise ValueError(f"progress file {str(self.path)!r} was written with other settings ("
+                             + ", ".join("another target" if k == "target" else f"{k}={stored.get(k)!r}"
+                                         for k in differ)
+                             + "); repeat them, or remove the file to start over.")
+        if len(whole) < len(data):  # a line cut by a kill: appending goes on after the last whole one
+            with open(self.path, "r+b") as f:
+                f.truncate(len(whole))
+        return kept, next_row
+
+    def _append(self, line: dict[str, Any]) -> None:
+        self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def batch(self, next_row: int, records: list[PromptRecord]) -> None:
+        self._append({"next_row": next_row, "prompts": [prompt_line(r) for r in records]})
+
+    def close(self) -> None:
+        self.file.close()
+        self.release()
+
+
 def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: int = 64,
                            batch_size: int = 8, system: str | None = None, user_prefix: str = "",
-                           drop_unfinished: bool = False, max_rows: int | None = None
+                           drop_unfinished: bool = False, max_rows: int | None = None,
+                           progress: str | Path | None = None, target: dict[str, Any] | None = None
                            ) -> list[PromptRecord]:
     """User turns written by the instruct target itself from its own chat template (DESIGN §1.4).
 
@@ -81,6 +154,12 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       drop_unfinished: also drop turns that hit ``max_new_tokens`` before the end-of-turn token.
       max_rows: rows to draw before giving up, rounded up to whole batches; default
         ``4 * n + batch_size``.
+      progress: a file recording each drawn batch as it is drawn (created when missing; its folder
+        must exist). A run that finds one resumes after its last complete batch, with the
+        prompts it kept, and returns what one uninterrupted run returns. Delete it once the
+        prompts are saved.
+      target: the target's identity, which a resumed run must repeat, recorded in ``progress`` with
+        the settings (e.g. ``dataclasses.asdict(drafter.checkpoint.TargetBinding.of(target))``).
 
     Returns:
       Up to ``n`` records ``PromptRecord("self", "self/<seed>/<row>", (text,), meta)`` with
@@ -89,8 +168,9 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       warning) if ``max_rows`` rows did not yield ``n`` distinct non-empty turns.
 
     Raises:
-      ValueError: bad arguments, a ``user_prefix`` holding a special token, or a chat template
-        without a user-turn header.
+      ValueError: bad arguments, a ``user_prefix`` holding a special token, a chat template
+        without a user-turn header, or a ``progress`` file written with other settings or
+        ``target``, or open in another process.
     """
     from treespark_jax.decode.engine import Engine, check_sampling  # the decode stack is only needed here
 
@@ -106,24 +186,39 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
     special = check_user_prefix(tokenizer, user_prefix)
     header = tokenizer.encode(user_turn_prefix(tokenizer, system) + user_prefix, add_special_tokens=False)
 
-    kept: dict[str, PromptRecord] = {}
-    row = 0
-    while len(kept) < n and row < max_rows:
-        rows = range(row, row + batch_size)  # full batches: a row's draw never depends on n
-        seeds = [int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) for i in rows]
-        out, _ = engine.generate([header] * len(rows), max_new_tokens, 1.0, 1.0, seeds)
-        for i, row_seed, ids in zip(rows, seeds, out):
-            cut = next((k for k, t in enumerate(ids) if t in special), len(ids))
-            finished = cut < len(ids)
-            sample = tokenizer.decode(ids[:cut])
-            if not finished:  # a turn cut at max_new_tokens can end inside a character's bytes
-                sample = sample.rstrip("\ufffd")
-            text = (user_prefix + sample).strip()
-            if sample.strip() and text not in kept and (finished or not drop_unfinished) and len(kept) < n:
-                kept[text] = PromptRecord("self", f"self/{seed}/{i}", (text,),
-                                          {"raw": text, "seed": row_seed, "finished": finished})
-        row = rows.stop
+    log = None
+    if progress is not None:  # n and max_rows may change on resume: the rows drawn do not depend on them
+        log = _Progress(Path(progress), dict(seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                             system=system, user_prefix=user_prefix,
+                                             drop_unfinished=drop_unfinished, target=target))
+    # Every usable turn of a drawn batch is kept, in row order, and the first n are returned, so
+    # a progress file serves a resumed run with a larger n as well.
+    kept: dict[str, PromptRecord] = {} if log is None else log.kept
+    row = 0 if log is None else log.next_row
+    try:
+        while len(kept) < n and row < max_rows:
+            rows = range(row, row + batch_size)  # full batches: a row's draw never depends on n
+            seeds = [int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) for i in rows]
+            out, _ = engine.generate([header] * len(rows), max_new_tokens, 1.0, 1.0, seeds)
+            added = []
+            for i, row_seed, ids in zip(rows, seeds, out):
+                cut = next((k for k, t in enumerate(ids) if t in special), len(ids))
+                finished = cut < len(ids)
+                sample = tokenizer.decode(ids[:cut])
+                if not finished:  # a turn cut at max_new_tokens can end inside a character's bytes
+                    sample = sample.rstrip("\ufffd")
+                text = (user_prefix + sample).strip()
+                if sample.strip() and text not in kept and (finished or not drop_unfinished):
+                    kept[text] = PromptRecord("self", f"self/{seed}/{i}", (text,),
+                                              {"raw": text, "seed": row_seed, "finished": finished})
+                    added.append(kept[text])
+            row = rows.stop
+            if log is not None:
+                log.batch(row, added)
+    finally:
+        if log is not None:
+            log.close()
     if len(kept) < n:
         logger.warning("self-generated prompts: %d rows gave only %d of %d distinct non-empty user turns.",
                        row, len(kept), n)
-    return list(kept.values())
+    return list(kept.values())[:n]
