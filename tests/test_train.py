@@ -37,6 +37,7 @@ from tiny import write_tiny_hf_target
 
 REPO = Path(__file__).resolve().parents[1]
 LAYER_IDS = (1, 2)
+SHIPPED = REPO / "treespark_jax" / "drafters" / "smollm2-135m"  # checkpoints of our format (only their format is read here)
 # Small shapes shared by every run (seconds per compile on 2 cores).
 TRAIN_ARGS = ["--seq-len", "40", "--anchors", "3", "--batch-size", "4", "--block-size", "4", "--lr", "3e-3",
               "--warmup", "1", "--log-every", "1", "--quiet"]
@@ -225,6 +226,25 @@ def _assert_clean_error(capsys, rc: int, out: Path, *words: str) -> None:
     assert not (out / "checkpoints").exists() and not (out / "drafter").exists()
 
 
+def test_what_needs_no_target_is_refused_before_it_loads(tmp_path, capsys, rollouts, monkeypatch):
+    import treespark_jax.models.load
+
+    monkeypatch.setattr(treespark_jax.models.load, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    out = tmp_path / "out"
+    for flags, words in (
+            (["--drafter-layers", "9"], ("--drafter-layers 9 must be between 1 and 5",)),
+            (["--block-size", "0"], ("--block-size 0 must be at least 1",)),
+            (["--draft-vocab", "-1"], ("--draft-vocab -1 must be 0 (whole vocabulary)",)),
+            (["--init", tmp_path / "missing"], (f"--init {tmp_path / 'missing'} does not exist",)),
+            (["--loss", "treespark"], (f"the treespark loss needs on-policy rollouts with logged trees, but "
+                                       f"{str(rollouts)!r} holds plain rollouts",))):
+        _assert_clean_error(capsys, main(_cli("--rollouts", rollouts, "--loss", "dspark", "--out", out, *flags)), out,
+                            *words)
+    rc = main(_cli("--rollouts", rollouts, rollouts, "--loss", "treespark", "--out", out))
+    _assert_clean_error(capsys, rc, out, "but all 2 directories hold plain rollouts")
+    assert not out.exists()
+
+
 def test_the_shortest_prompt_comes_from_the_manifest_or_from_older_shards_records(tmp_path, rollouts):
     from treespark_jax.rollouts.store import prompt_tokens
 
@@ -278,10 +298,12 @@ def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, 
         (["--rollouts", rollouts, "--loss", "dspark", "--init-layers", "x"], ("--init-layers 'x'",)),
         (["--rollouts", rollouts, "--loss", "dspark", "--init-layers", "99"],
          ("--init-layers 99 must name 1 target layer(s)",)),
-        (["--rollouts", rollouts, "--loss", "dspark", "--init", tmp_path, "--init-layers", "0"],
+        (["--rollouts", rollouts, "--loss", "dspark", "--init", SHIPPED / "dspark", "--init-layers", "0"],
          ("--init and --init-layers",)),
         # API fields are named by their flags: the drafter's (checked in `train`) and TrainConfig's
         (["--rollouts", rollouts, "--loss", "dspark", "--draft-vocab", "4"], ("--draft-vocab 4", "pool size")),
+        (["--rollouts", rollouts, "--loss", "dspark", "--draft-vocab", "999999"],
+         ("--draft-vocab 999999 must lie in 1..", "the target's vocabulary")),
         (["--rollouts", rollouts, "--loss", "dspark", "--drafter-layers", "9"], ("--drafter-layers 9", "1 and 5")),
         (["--rollouts", rollouts, "--loss", "dspark", "--block-size", "0"], ("--block-size 0", "at least 1")),
         (["--rollouts", rollouts, "--loss", "dspark", "--lr", "-1"], ("--lr -1.0 must be positive",)),

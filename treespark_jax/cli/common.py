@@ -133,17 +133,17 @@ def comma_list(flag: str, text: str, cast: Callable[[str], Any] = str) -> list:
         raise ValueError(f"{flag} {text!r} must be comma-separated integers.") from None
 
 
-def check_drafter_path(path: str | None) -> None:
-    """Refuses, before any model loads, a ``--drafter`` path that holds no drafter of a format we
-    read (``None`` and ``"random"`` pass).
+def check_drafter_path(path: str | None, flag: str = "--drafter") -> None:
+    """Refuses, before any model loads, a drafter path (``flag``'s value) that holds no drafter of a
+    format we read (``None`` and ``"random"`` pass).
 
     Raises:
-      ValueError: what ``drafter.formats.detect`` refuses, naming ``--drafter``.
+      ValueError: what ``drafter.formats.detect`` refuses, naming ``flag``.
     """
     from treespark_jax.drafter.formats import detect
 
     if path not in (None, "random"):
-        with named_by_flag(drafter="--drafter"):
+        with named_by_flag(drafter=flag):
             detect(path)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import (ALPHA_NOTE, add_mesh_arg, add_target_args, check_at_least, check_out_dir,
-                                      comma_list, flag_of, named_by_flag, path_arg, target_name)
+from treespark_jax.cli.common import (ALPHA_NOTE, add_mesh_arg, add_target_args, check_at_least, check_drafter_path,
+                                      check_out_dir, comma_list, flag_of, named_by_flag, path_arg, target_name)
 from treespark_jax.models.presets import DEFAULT_PRESET
 
 # API fields (TrainConfig, OnPolicyConfig, DrafterConfig) whose flag has another name (the others: lr → --lr)
@@ -198,6 +198,7 @@ def run(args: argparse.Namespace) -> None:
     check_at_least(args, steps=1, batch_size=1, anchors=1, seq_len=2, tree_interval=1, tree_buffer=1,
                    decode_prompts=1, max_new_tokens=1)
     check_out_dir("--out", args.out)
+    check_drafter_path(args.init, "--init")
     on_policy = on_policy_config(args)
     settings = dict(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                     min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,

@@ -22,6 +22,8 @@ resumes the exact stream, with no batch repeated or skipped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grain
@@ -38,6 +40,13 @@ __all__ = ["check_tree_share", "data_iterator", "train_dataset", "tree_layout"]
 _ANCHOR_STREAM = 1  # purpose tag of the anchor/tree draws (``default_rng([seed, tag, e])``)
 
 
+def no_trees_error(dirs: Sequence[Path]) -> RolloutError:
+    """The error of the treespark loss given rollout directories none of which logged trees."""
+    held = f"{str(dirs[0])!r} holds" if len(dirs) == 1 else f"all {len(dirs)} directories hold"
+    return RolloutError(f"the treespark loss needs on-policy rollouts with logged trees, but {held} plain rollouts; "
+                        "use the dspark or dflash loss, or log rollouts with `treespark rollout --drafter PATH`.")
+
+
 def tree_layout(rollouts: RolloutSet) -> tuple[str, int]:
     """The verify rule and budget ``N`` of the logged trees (from the first record that has
     trees; every batch re-checks the rule). Plain records may be mixed in: their tree slots
@@ -47,9 +56,7 @@ def tree_layout(rollouts: RolloutSet) -> tuple[str, int]:
       RolloutError: none of the rollouts carries verified trees (all plain, not on-policy).
     """
     if not rollouts.trees:
-        raise RolloutError(f"the treespark loss needs on-policy rollouts with logged trees, but "
-                           f"{str(rollouts.dirs[0])!r} holds plain rollouts; use the dspark or dflash loss, "
-                           "or log rollouts with `treespark rollout --drafter PATH`.")
+        raise no_trees_error(rollouts.dirs)
     first = next(i for i in range(len(rollouts)) if "trees" in rollouts[i])
     trees = rollouts[first]["trees"]
     return str(trees["rule"]), int(np.asarray(trees["tokens"]).shape[-1])

@@ -43,7 +43,7 @@ def frequency_ranked_vocab(rollouts: RolloutSet, size: int, vocab_size: int) -> 
       ValueError: ``size`` outside ``1..vocab_size``.
     """
     if not 1 <= size <= vocab_size:
-        raise ValueError(f"draft vocabulary size {size} must lie in 1..{vocab_size}, the target's vocabulary.")
+        raise ValueError(f"draft_vocab={size} must lie in 1..{vocab_size}, the target's vocabulary.")
     response, prompt = token_counts(rollouts, vocab_size)
     order = np.lexsort((np.arange(vocab_size), -prompt, -response))
     return order[:size].astype(np.int32)

@@ -60,7 +60,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from treespark_jax.config import LOSSES, OnPolicyConfig, TrainConfig
+from treespark_jax.config import LOSSES, DrafterConfig, OnPolicyConfig, TrainConfig
 from treespark_jax.drafter.checkpoint import TargetBinding, load_drafter, save_drafter, warm_start
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.files import hold_lock, remove_partials, write_text_atomic
@@ -71,7 +71,7 @@ from treespark_jax.rollouts.reader import RolloutSet, open_rollouts
 from treespark_jax.rollouts.store import read_manifest
 from treespark_jax.sharding import Partitioner
 from treespark_jax.train.checkpointing import TrainCheckpoints
-from treespark_jax.train.data import check_tree_share, data_iterator, train_dataset, tree_layout
+from treespark_jax.train.data import check_tree_share, data_iterator, no_trees_error, train_dataset, tree_layout
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
 from treespark_jax.train.on_policy import OnPolicySource, training_prompts
@@ -304,6 +304,8 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         raise ValueError(f"loss {loss!r} is unknown; choose one of {', '.join(LOSSES)}.")
     if init is not None and init_layers is not None:
         raise ValueError("--init and --init-layers both set the drafter's layers; choose one.")
+    # the fields' own limits before the target loads (the layer ids stand in until then)
+    DrafterConfig(**{"target_layer_ids": (0,), **(drafter_fields or {})})
     if online and target is None:
         raise ValueError("--online runs the target in every step; name it with --target PATH or --preset NAME.")
     if on_policy is not None and not online:
@@ -334,8 +336,11 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
         dirs, manifest = [], {"target": {"name": target}}
     elif not dirs:
         raise ValueError("no rollout directory was given.")
-    else:
-        manifest = read_manifest(dirs[0])  # an empty or foreign directory fails here, before the target loads
+    else:  # an empty or foreign directory fails here, before the target loads
+        manifests = [read_manifest(d) for d in dirs]
+        manifest = manifests[0]
+        if loss == "treespark" and not any(m.get("trees") for m in manifests):
+            raise no_trees_error(dirs)
     mesh = _mesh(mesh, mesh_size)
     if cfg.batch % mesh.shape[DATA]:
         raise ValueError(f"batch {cfg.batch} does not split evenly over the {mesh.shape[DATA]} devices of the data "
