@@ -132,6 +132,7 @@ def test_drafting_flags_reach_the_round_and_keep_greedy_output(tmp_path, capsys)
     (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
     (["--prompt", "hi", "--temperature", "-1"], "--temperature -1.0 is negative"),
     (["--prompt", "hi", "--top-p", "1.5"], "--top-p 1.5 is outside (0, 1]"),
+    (["--prompt", "hi", "--top-p", "0.5"], "--top-p 0.5 has no effect at --temperature 0 (greedy decoding); drop it"),
     (["--prompt", "hi", "--budget", "0", "--method", "prompt_lookup"], "--budget 0 must be a whole number of drafted nodes between 1 and 1024"),
     (["--prompt", "hi", "--budget", "100000"], "--budget 100000 must be a whole number of drafted nodes between 1 and 1024"),
     (["--prompt", "hi", "--method", "dflash", "--drafter", "/no/such/drafter"], "/no/such/drafter"),
@@ -359,7 +360,8 @@ def test_eval_drafter_names_what_it_was_given_before_the_target_loads(capsys, tm
 def test_rollout_settings_and_an_unwritable_json_out_are_refused_before_any_work(capsys, tmp_path, no_target_load):
     for flags, message in ((["--seed", "-1"], "--seed -1 is outside 0..4294967295"),
                            (["--top-p", "0"], "--top-p 0.0 is outside (0, 1]"),
-                           (["--drafter", "random", "--top-p", "0.9"],
+                           (["--top-p", "0.9"], "--top-p 0.9 has no effect at --temperature 0"),
+                           (["--drafter", "random", "--temperature", "1", "--top-p", "0.9"],
                             "--top-p 0.9 is refused for on-policy rollouts: they log trees for training at top_p=1"),
                            (["--method", "dflash"], "--method dflash set how a drafter speculates; give --drafter"),
                            (["--budget", "8"], "--budget 8 set how a drafter speculates; give --drafter"),

@@ -65,7 +65,8 @@ def generation_config(args: argparse.Namespace, **fields):
     default), then ``fields``. Made before any model loads, so bad values fail fast.
 
     Raises:
-      ValueError: a value ``GenerationConfig`` refuses (one sentence naming it by its flag).
+      ValueError: a value ``GenerationConfig`` refuses, or a ``--top-p`` below 1 at temperature 0
+        (greedy decoding, which it would not change); one sentence naming it by its flag.
     """
     import dataclasses
 
@@ -75,7 +76,11 @@ def generation_config(args: argparse.Namespace, **fields):
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig)
              if getattr(args, f.name, None) is not None}
     with named_by_flag(**{name: flag_of(name) for name in flags}):
-        return GenerationConfig(**{**flags, **fields})
+        config = GenerationConfig(**{**flags, **fields})
+    if config.greedy and config.top_p < 1:
+        raise ValueError(f"--top-p {config.top_p} has no effect at --temperature 0 (greedy decoding); drop it or set a "
+                         "--temperature above 0.")
+    return config
 
 
 def flag_of(field: str) -> str:
