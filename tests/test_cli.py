@@ -178,6 +178,8 @@ def test_unknown_preset_and_models_list(capsys):
     assert "temperature -1.0 is negative" in capsys.readouterr().err  # checked before any loading
     assert main(["models", "list"]) == 0
     assert "smollm2-135m" in capsys.readouterr().out
+    assert main(["models", "fetch", "no-such-model"]) == 2  # named by the subcommand that refused it
+    assert capsys.readouterr().err.startswith("treespark models fetch: error: unknown preset 'no-such-model'")
 
 
 def test_a_refused_file_system_call_is_one_line_and_exit_1(capsys, monkeypatch):
@@ -188,7 +190,7 @@ def test_a_refused_file_system_call_is_one_line_and_exit_1(capsys, monkeypatch):
 
     monkeypatch.setattr(models, "run", refuse)
     assert main(["models", "list"]) == 1
-    assert capsys.readouterr().err == "treespark models: error: cannot access /root/x.json: Permission denied.\n"
+    assert capsys.readouterr().err == "treespark models list: error: cannot access /root/x.json: Permission denied.\n"
 
 
 def test_api_refuses_prompts_that_are_not_text_or_are_blank_chat_turns(preset, unchecked):
@@ -295,6 +297,7 @@ def test_help_shows_the_defaults_it_has(capsys):
     # --drafter (repeatable, none given) has no default to say; --split's own help says its default
     assert "cap per reply (default: 128)" in text and "(default: [])" not in text and "(default: None)" not in text
     assert "(default: eval, the held-out prompts)" in text
+    assert "(default: ar, prompt_lookup, dflash, dspark, ddtree, pctree, treespark)" in text  # wrapped between names
     with pytest.raises(SystemExit):
         main(["self-prompts", "--help"])
     assert "(default: )" not in capsys.readouterr().out  # --user-prefix is empty by default

@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    command = parser._subparsers._group_actions[0].choices[args.command]
+    command = parser
+    while command._subparsers is not None:  # down to the (sub)command that ran: `treespark models fetch`
+        chosen = command._subparsers._group_actions[0]
+        command = chosen.choices[getattr(args, chosen.dest)]
     if extra:  # refused by the subcommand's parser, so the message names it and its --help
         command.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

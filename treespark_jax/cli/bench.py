@@ -29,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--split", default=None, choices=("train", "eval", "all"),
                    help="split of a prompt set (default: eval, the held-out prompts); not for a file")
     b.add_argument("--limit", type=int, default=32, help="first prompts of the split to run")
-    b.add_argument("--methods", default=ALL_METHODS, help="comma-separated methods")
+    b.add_argument("--methods", default=ALL_METHODS,  # the default spelt with spaces, so --help wraps between names
+                   help=f"comma-separated methods (default: {ALL_METHODS.replace(',', ', ')})")
     b.add_argument("--budgets", default="4,8,16,32", help="comma-separated tree budgets N")
     b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     b.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
