@@ -373,6 +373,12 @@ def test_rollout_settings_and_an_unwritable_json_out_are_refused_before_any_work
         assert main(["rollout", "--prompts", "gsm8k", "--out", str(tmp_path / "r"), *flags]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "todo.txt").write_text("mine")
+    assert main(["rollout", "--prompts", "gsm8k", "--out", str(foreign)]) == 2
+    assert f"--out {str(foreign)!r} holds files but no manifest.json" in capsys.readouterr().err
+    assert [p.name for p in foreign.iterdir()] == ["todo.txt"]
     if Path("/sys").is_dir():  # read-only even for root, whom os.access would wave through
         assert main(["bench", "--json-out", "/sys/b.json"]) == 2
         assert "--json-out /sys/b.json: its folder is not writable." in capsys.readouterr().err

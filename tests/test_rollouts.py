@@ -199,8 +199,8 @@ def test_resume_after_an_interruption_gives_the_same_records(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(settings=dataclasses.replace(SETTINGS, temperature=0.5)), "temp = 0.0, not 0.5"),
-    (dict(layer_ids=(0, 2)), "layer ids = \\[.*\\], not \\[0, 2\\]"),
+    (dict(settings=dataclasses.replace(SETTINGS, temperature=0.5)), "--temperature 0.0, not 0.5"),
+    (dict(layer_ids=(0, 2)), "layer ids \\[.*\\], not \\[0, 2\\]"),
     (dict(binding="other"), "target weights_sha256"),
 ])
 def test_resuming_with_other_settings_is_refused(tmp_path, baseline, target, prompts, engine, change, message):
@@ -361,7 +361,11 @@ def test_cli_rollout_on_a_tiny_target(tmp_path, tiny_dir, prompt_file, baseline,
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["identity"]["prompts"]["source"] == str(prompt_file.resolve()) and manifest["trees"] is False
-    for flags, message in [(["--temperature", "1.0"], "holds rollouts made with temp = 0.0, not 1.0"),
+    other = tmp_path / "other.jsonl"
+    shutil.copy(prompt_file, other)
+    for flags, message in [(["--temperature", "1.0"], "holds rollouts made with --temperature 0.0, not 1.0"),
+                           (["--prompts", str(other)], f"made with --prompts {prompt_file.resolve()}, not "
+                                                       f"{other.resolve()}; resume with the same settings"),
                            (["--split", "train"], "--split 'train' does not apply to the JSONL file"),
                            (["--max-new-tokens", "600"], "prompt 'p0' has \\d+ tokens and max_new_tokens=600, "
                                                          "together more than the target's context of 512 tokens"),

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.api import load
     from treespark_jax.prompts.load import DEFAULT_EVAL_SIZE, load_prompts
     from treespark_jax.prompts.sets import PROMPT_SETS
+    from treespark_jax.rollouts.store import check_output
     from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
 
     check_at_least(args, limit=1, max_new_tokens=1, batch_size=1)
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> None:
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
             batch_size=args.batch_size, method=method, budget=budget, drafter=drafter_id)
     check_out_dir("--out", args.out)
+    check_output(args.out, "--out")
     layer_ids = None if args.layer_ids is None else comma_list("--layer-ids", args.layer_ids, int)
     is_set = args.prompts in PROMPT_SETS
     split = args.split or ("train" if is_set else None)

@@ -46,7 +46,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 from treespark_jax.files import hold_lock, remove_partials, sha256_files, write_text_atomic
 from treespark_jax.rollouts.records import RolloutError, encode_record
 
-__all__ = ["MANIFEST", "RolloutWriter", "read_manifest", "shard_problem"]
+__all__ = ["MANIFEST", "RolloutWriter", "check_output", "read_manifest", "shard_problem"]
 
 MANIFEST = "manifest.json"
 FORMAT, FORMAT_VERSION = "treespark-rollouts", 2
@@ -120,6 +120,44 @@ def shard_problem(directory: Path, shard: dict[str, Any], sha256: bool) -> str |
     return None
 
 
+def check_output(directory: str | Path, name: str = "output directory") -> None:
+    """Refuses a rollout output that a run cannot write into or resume: a directory holding files
+    but no manifest (hidden files, such as the lock, do not count), or one whose manifest does not
+    read (``read_manifest``). A missing or empty directory passes.
+
+    Args:
+      directory: the output directory.
+      name: how the error names it (``--out`` from the CLI).
+
+    Raises:
+      RolloutError: one sentence naming ``directory``.
+    """
+    directory = Path(directory)
+    if (directory / MANIFEST).exists():
+        read_manifest(directory)
+    elif directory.is_dir() and any(not p.name.startswith(".") for p in directory.iterdir()):
+        raise RolloutError(f"{name} {str(directory)!r} holds files but no {MANIFEST}; choose an empty or new "
+                           "directory.")
+
+
+# A run's settings (``identity``) by the flags of ``treespark rollout`` that set them
+_SETTING_NAMES = {"temp": "--temperature", "top_p": "--top-p", "max_new_tokens": "--max-new-tokens", "seed": "--seed",
+                  "method": "--method", "budget": "--budget", "drafter": "--drafter", "source": "--prompts",
+                  "split": "--split", "split_seed": "split seed", "eval_size": "eval size"}
+
+
+def _settings(identity: dict[str, Any]) -> dict[str, Any]:
+    """``identity`` flattened (the ``prompts`` source's fields beside the rest), named as
+    ``_SETTING_NAMES`` names them."""
+    flat = {k: v for k, v in identity.items() if k != "prompts"}
+    flat.update(identity.get("prompts") or {})
+    return {_SETTING_NAMES.get(k, k): v for k, v in flat.items()}
+
+
+def _shown(value: Any) -> str:
+    return "none" if value is None else value if isinstance(value, str) else json.dumps(value)
+
+
 class RolloutWriter:
     """Writes shards into a rollout directory, resuming a previous run of the same settings.
 
@@ -147,12 +185,10 @@ class RolloutWriter:
         remove_partials(self.directory)  # a killed run's half-written manifest
         fresh = {"format": FORMAT, "format_version": FORMAT_VERSION, **header, "feature_dtype": "bfloat16",
                  "shards": [], "next_shard": 0}
+        check_output(self.directory)
         if (self.directory / MANIFEST).exists():
             self.manifest = read_manifest(self.directory)
             self._check_same_run(fresh)
-        elif any(p for p in self.directory.iterdir() if not p.name.startswith(".")):
-            raise RolloutError(f"output directory {str(self.directory)!r} holds files but no {MANIFEST}; "
-                               "choose an empty or new directory.")
         else:
             self.manifest = fresh
         self.dropped = [s["file"] for s in self.manifest["shards"]
@@ -178,12 +214,12 @@ class RolloutWriter:
         old = self.manifest
         pairs = [(f"target {f}", old["target"].get(f), fresh["target"][f]) for f in COMPARED]
         pairs += [("layer ids", old.get("layer_ids"), fresh["layer_ids"]), ("trees", old.get("trees"), fresh["trees"])]
-        keys = sorted(set(old.get("identity", {})) | set(fresh["identity"]))
-        pairs += [(k, old.get("identity", {}).get(k), fresh["identity"].get(k)) for k in keys]
+        was, now = _settings(old.get("identity", {})), _settings(fresh["identity"])
+        pairs += [(k, was.get(k), now.get(k)) for k in sorted(set(was) | set(now))]
         for name, was, now in pairs:
             if json.loads(json.dumps(was)) != json.loads(json.dumps(now)):  # tuples vs lists
-                raise RolloutError(f"{str(self.directory)!r} holds rollouts made with {name} = {was!r}, not {now!r}; "
-                                   "resume with the same settings or choose another --out directory.")
+                raise RolloutError(f"{str(self.directory)!r} holds rollouts made with {name} {_shown(was)}, not "
+                                   f"{_shown(now)}; resume with the same settings or choose another --out directory.")
 
     @property
     def done_prompt_ids(self) -> set[str]:
