@@ -29,6 +29,7 @@ def test_generate_json_has_ids_text_and_stats(preset, capsys):
                  "--json", "--compare-ar"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == 1 and out["stats"]["tokens_per_s"] is None and out["ar"]["speedup"] is None
+    assert out["method"] != "ar" and out["stats"]["rounds"] == 0 and out["stats"]["tau"] is None  # no round: no τ
     assert main(["generate", "--preset", preset, "--prompt", "The capital of France is", "--max-new-tokens", "1",
                  "--method", "ar"]) == 0
     assert "[ar] 1 token, no decode step, τ 1.00, 1 target forward, " in capsys.readouterr().err

@@ -101,17 +101,23 @@ def _rate(stats) -> float | None:
     return stats.tokens_per_s if stats.new_tokens > stats.rows else None
 
 
+def _tau(stats) -> float | None:
+    """τ, or ``None`` (JSON null) for a speculative reply with no drafted round to average over
+    (AR's τ is 1)."""
+    return stats.tau if stats.rounds or not stats.rung_rounds else None
+
+
 def _stats_json(stats) -> dict:
     return {"new_tokens": stats.new_tokens, "tokens_per_s": _rate(stats),
             "target_forwards": stats.target_forwards, "compiles": stats.compiles, "prefill_s": stats.prefill_s,
-            "decode_s": stats.decode_s, "tau": stats.tau, "tau_per_depth": stats.tau_per_depth,
+            "decode_s": stats.decode_s, "tau": _tau(stats), "tau_per_depth": stats.tau_per_depth,
             "rounds": stats.rounds, "rung_rounds": stats.rung_rounds, "skipped_rounds": stats.skipped_rounds,
             "skipped_steps": stats.skipped_steps}
 
 
 def _stats_line(stats) -> str:
     rate = "no decode step" if _rate(stats) is None else f"{stats.tokens_per_s:.1f} tokens/s"
-    tau = f"τ {stats.tau:.2f}" if stats.rounds or not stats.rung_rounds else "no drafted round"  # AR: τ 1
+    tau = "no drafted round" if _tau(stats) is None else f"τ {stats.tau:.2f}"
     compiled = (f"{_count(stats.compiles, 'program')} compiled" if stats.compiles
                 else "no program compiled (all were warm)")
     forwards = _count(stats.target_forwards, "target forward")
