@@ -17,9 +17,9 @@ from typing import Union
 
 import jax
 import numpy as np
-from jaxtyping import Bool, Float, Int, Key, PRNGKeyArray
+from jaxtyping import Bool, Float, Int, Key, PRNGKeyArray, UInt
 
-__all__ = ["DIMENSIONS", "Array", "Bool", "Float", "Int", "Key", "PRNGKeyArray"]
+__all__ = ["DIMENSIONS", "Array", "Bool", "Float", "Int", "Key", "PRNGKeyArray", "UInt"]
 
 Array = Union[jax.Array, np.ndarray]
 
