@@ -54,7 +54,6 @@ DIMENSIONS: dict[str, str] = {
     "queries": "tree positions one proposal lookup answers",
     "rounds": "logged rounds per row",
     "out": "output tokens per row",
-    "refill": "rows of new prompts put into a running batch (continuous batching)",
     "stops": "stop token ids",
     "history": "tokens a prompt-lookup drafter searches",
     # training

@@ -68,42 +68,30 @@ def ar_loop(model: Decoder, state: GenState, requests: Requests, stop_after: Int
     return jax.lax.while_loop(cond, body, state)
 
 
-def logged_ar_chunk(model: Decoder, state: GenState, log: FeatureLog, ready: Bool[Array, "B"], requests: Requests,
-                    free: Bool[Array, "B"], want: Int[Array, ""], greedy: bool, layer_ids: tuple[int, ...],
-                    constrain: Callable | None = None) -> tuple[GenState, FeatureLog, Bool[Array, "B"]]:
-    """``ar_loop`` that logs every fed row's features (``decode.feature_log``), in pieces: it steps
-    until ``want`` of the rows holding a prompt (``~free``) are ready, or all of them are.
+def logged_ar_loop(model: Decoder, state: GenState, log: FeatureLog, requests: Requests, greedy: bool,
+                   layer_ids: tuple[int, ...], constrain: Callable | None = None) -> tuple[GenState, FeatureLog]:
+    """``ar_loop`` to the end that also logs every fed row's features (``decode.feature_log``).
 
-    A row is ready once it was done before a step: that step fed it its last token (emitted, so
-    never fed while the row ran) and logged it, neither emitting nor advancing the finished row.
-    Run with ``want`` = every row, it is the whole logged generation, its last step the one that
-    logs the last tokens; with fewer, the caller takes the ready rows out and refills their
-    slots with new prompts (``decode.refill``).
+    Each step logs its anchor at the position it is fed at; one more step after the loop logs
+    the rows' last tokens (it neither emits nor advances a finished row, and its state is not
+    kept).
 
     Args:
-      model, state, requests, greedy: as ``ar_loop``.
-      log: the log so far (``FeatureLog.of_prefill`` after prefill).
-      ready: ``[B]`` rows already ready (none among the prompt-holding rows when a piece starts:
-        the caller has taken them out).
-      free: ``[B]`` rows that hold no prompt (batch padding, or slots with no prompt left to give).
-      want: int32 scalar, ready prompt-holding rows to stop at.
+      model, state, requests, greedy: as ``ar_loop`` (which runs until every row is done).
+      log: the log after prefill (``FeatureLog.of_prefill``).
       layer_ids: static target layers of the logged features.
       constrain: pins the layout of the loop carry (a mesh's sharding constraints).
 
     Returns:
-      ``(state, log, ready)`` after the last step.
+      ``(state, log)``: the final state and the log of every position of every row.
     """
     pin = constrain or (lambda x: x)
-    live = ~free
-
-    def cond(carry):
-        _, _, ready = carry
-        return (jnp.sum(ready & live) < want) & jnp.any(~ready & live)
 
     def step(carry):
-        s, log, ready = carry
-        positions, was_done = s.cache.lengths, s.done
+        s, log = carry
+        positions = s.cache.lengths
         s, output, _ = target_step(model, s, requests, greedy, layer_ids)
-        return pin((s, log.record(positions, output), ready | was_done))
+        return pin((s, log.record(positions, output)))
 
-    return jax.lax.while_loop(cond, step, (state, log, ready))
+    state, log = jax.lax.while_loop(lambda c: jnp.any(~c[0].done), step, (state, log))
+    return state, step((state, log))[1]

@@ -28,8 +28,8 @@ from treespark_jax.config import check_temperature_top_p
 from treespark_jax.decode import buckets, jitted
 from treespark_jax.decode.cost_model import CostModel
 from treespark_jax.decode.cost_store import DEFAULT_CPU_COST
+from treespark_jax.decode.feature_log import row_features
 from treespark_jax.decode.plan import Speculation
-from treespark_jax.decode.refill import feature_stream
 from treespark_jax.decode.session import Session
 from treespark_jax.decode.state import Requests
 from treespark_jax.decode.stats import GenerationStats
@@ -170,16 +170,14 @@ class Engine:
         prompt_lens = np.ones((b,), np.int32)
         prompt_lens[: len(lens)] = lens
         active = np.arange(b) < len(prompts)
-        rows, requests = self.place_rows((tokens, prompt_lens, active),
-                                         self.requests(b, max_new_tokens, temperature, top_p, seed))
-        return (self.graphdef, self.weights, *rows, requests), capacity, out_size, requests
-
-    def place_rows(self, rows: tuple[np.ndarray, ...], requests: Requests) -> tuple[tuple[jax.Array, ...], Requests]:
-        """A padded batch's per-row arrays (split over the mesh's ``data`` axis) and its requests, on the
-        device or mesh."""
+        requests = self.requests(b, max_new_tokens, temperature, top_p, seed)
+        rows = (tokens, prompt_lens, active)
         if self.layout is None:
-            return tuple(jnp.asarray(x) for x in rows), requests
-        return jax.device_put(rows, batch_sharding(self.layout.mesh)), self.layout.place(requests)
+            rows = tuple(jnp.asarray(x) for x in rows)
+        else:
+            rows = jax.device_put(rows, batch_sharding(self.layout.mesh))
+            requests = self.layout.place(requests)
+        return (self.graphdef, self.weights, *rows, requests), capacity, out_size, requests
 
     def mesh_context(self):
         """The mesh as the current one while programs trace (``mesh.data_parallel`` reads it)."""
@@ -217,8 +215,16 @@ class Engine:
     def generate_features(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, layer_ids: Sequence[int],
                           temperature: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0
                           ) -> tuple[list[list[int]], list[tuple[np.ndarray, np.ndarray]]]:
-        """Autoregressive ``generate`` that also returns every token's target features (rollouts):
-        ``stream_features`` with every prompt in one batch, collected in prompt order.
+        """Autoregressive ``generate`` that also returns every token's target features (rollouts).
+
+        The features come from the generation's own forwards (``decode.feature_log``): the same
+        values a separate causal forward over ``prompt + response`` gives, up to the summation
+        order of a one-row step, stored in bfloat16. Prefill and loop are one compiled program
+        per (batch, prompt, output) bucket and layer ids.
+
+        Args:
+          prompts, max_new_tokens, temperature, top_p, seed: as ``generate``.
+          layer_ids: 0-based target layers whose outputs to log (concatenated in this order).
 
         Returns:
           ``(token_ids, features)``; ``features[i] = (features [T_i, m·D], hidden [T_i, D])``,
@@ -227,46 +233,10 @@ class Engine:
         Raises:
           ValueError: as ``generate``.
         """
-        done = sorted(self.stream_features(prompts, max_new_tokens, layer_ids, temperature, top_p, seed),
-                      key=lambda row: row[0])
-        return [ids for _, ids, _ in done], [f for _, _, f in done]
-
-    def stream_features(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, layer_ids: Sequence[int],
-                        temperature: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
-                        slots: int | None = None, refill: int | None = None
-                        ) -> Iterator[tuple[int, list[int], tuple[np.ndarray, np.ndarray]]]:
-        """Autoregressive generation that logs every token's target features, ``slots`` rows at a
-        time with continuous batching (``decode/refill.py``): a finished row's slot takes the next
-        prompt, so no row idles while a longer one runs.
-
-        The features come from the generation's own forwards (``decode.feature_log``): the same
-        values a separate causal forward over ``prompt + response`` gives, up to the summation
-        order of a one-row step, stored in bfloat16. One compiled program per refill prefill
-        bucket, plus one loop piece and one insert per run's shapes and layer ids.
-
-        Args:
-          prompts, max_new_tokens, temperature, top_p, seed: as ``generate`` (prompt ``i`` uses
-            seed ``seed + i``, or ``seed[i]``).
-          layer_ids: 0-based target layers whose outputs to log (concatenated in this order).
-          slots: rows decoding at once (default, and at most, every prompt).
-          refill: finished rows to wait for before prefilling their successors (default
-            ``slots``: a fixed batch; smaller refills sooner at the cost of more, smaller
-            prefills).
-
-        Yields:
-          ``(i, token_ids, (features [T_i, m·D], hidden [T_i, D]))`` as prompt ``i``'s row finishes
-          (not in prompt order), the features bfloat16 numpy arrays over its
-          ``T_i = len(prompt) + len(token_ids)`` tokens.
-
-        Raises:
-          ValueError: as ``generate`` (before anything runs), or ``slots`` / ``refill`` below 1.
-        """
-        check_request([len(p) for p in prompts], max_new_tokens, temperature, top_p, self.context, seed)
-        slots = len(prompts) if slots is None else slots
-        refill = slots if refill is None else refill
-        for name, value in (("slots", slots), ("refill", refill)):
-            if value < 1:
-                raise ValueError(f"{name}={value} must be at least 1.")
-        slots = min(slots, len(prompts))
-        return feature_stream(self, prompts, max_new_tokens, layer_ids, temperature, top_p,
-                              row_seeds(len(prompts), seed), slots, min(refill, slots))
+        args, capacity, out_size, _ = self.pad(prompts, max_new_tokens, temperature, top_p, seed)
+        with self.mesh_context():
+            state, log = jitted.logged_ar_program(*args, capacity=capacity, out_size=out_size, greedy=temperature == 0,
+                                            layer_ids=tuple(int(i) for i in layer_ids), layout=self.layout)
+            out, n_out, log = jax.device_get((state.out, state.n_out, log))
+        ids = [out[i, : n_out[i]].tolist() for i in range(len(prompts))]
+        return ids, [row_features(log, i, len(p) + len(x)) for i, (p, x) in enumerate(zip(prompts, ids))]

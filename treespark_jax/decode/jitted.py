@@ -6,9 +6,7 @@ performance guide), so weights are traced as inputs, not baked-in constants. Wit
 state it returns and of its loop carry, so one program's output is a valid input of the next.
 
 - ``prefill_program`` / ``ar_program``: autoregressive prefill, then the decode loop.
-- ``feature_prefill_program`` / ``logged_ar_chunk_program`` / ``insert_program``: prefill that
-  starts a feature log, the logged decode loop in pieces, and new prompts' rows put into a running
-  batch's slots (rollouts, ``decode/refill.py``).
+- ``logged_ar_program``: both in one, logging every token's target features (rollouts).
 - ``spec_prefill_program`` / ``spec_program``: prefill with the proposer's context, then the
   speculative round loop of a ``RoundPlan``.
 """
@@ -18,14 +16,14 @@ from __future__ import annotations
 from flax import nnx
 
 from treespark_jax.decode import programs
-from treespark_jax.decode.ar import ar_loop, logged_ar_chunk
+from treespark_jax.decode.ar import ar_loop, logged_ar_loop
 from treespark_jax.decode.feature_log import FeatureLog
 from treespark_jax.decode.plan import RoundPlan
 from treespark_jax.decode.prefill import prefill
 from treespark_jax.decode.programs import Program
 from treespark_jax.decode.skip import SkipState
 from treespark_jax.decode.speculative import SpecState, SpecStats, spec_loop
-from treespark_jax.decode.state import GenState, insert_rows
+from treespark_jax.decode.state import GenState
 from treespark_jax.decode.tree_log import TreeLog
 from treespark_jax.sharding import Partitioner
 
@@ -48,20 +46,14 @@ def _ar(graphdef, weights, state, requests, stop_after, *, greedy, layout=None) 
                    constrain=None if layout is None else layout.constrain)
 
 
-def _feature_prefill(graphdef, weights, tokens, prompt_lens, active, requests, *, capacity, out_size, greedy,
-                     layer_ids, layout=None) -> tuple[GenState, FeatureLog]:
-    state, out = prefill(nnx.merge(graphdef, weights), tokens, prompt_lens, active, requests, capacity=capacity,
-                         out_size=out_size, greedy=greedy, layer_ids=layer_ids)
-    return _pin(layout, (state, FeatureLog.of_prefill(out, capacity)))
-
-
-def _logged_ar_chunk(graphdef, weights, state, log, ready, requests, free, want, *, greedy, layer_ids, layout=None):
-    return logged_ar_chunk(nnx.merge(graphdef, weights), state, log, ready, requests, free, want, greedy, layer_ids,
-                           constrain=None if layout is None else layout.constrain)
-
-
-def _insert(state, log, ready, requests, new_state, new_log, new_requests, slots, *, layout=None):
-    return _pin(layout, insert_rows(state, log, ready, requests, new_state, new_log, new_requests, slots))
+def _logged_ar(graphdef, weights, tokens, prompt_lens, active, requests, *, capacity, out_size, greedy, layer_ids,
+               layout=None) -> tuple[GenState, FeatureLog]:
+    model = nnx.merge(graphdef, weights)
+    state, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity, out_size=out_size,
+                         greedy=greedy, layer_ids=layer_ids)
+    carry = _pin(layout, (state, FeatureLog.of_prefill(out, capacity)))
+    return logged_ar_loop(model, *carry, requests, greedy, layer_ids,
+                          constrain=None if layout is None else layout.constrain)
 
 
 def _spec_prefill(graphdef, weights, tokens, prompt_lens, active, requests, proposer_weights,
@@ -85,12 +77,7 @@ def _spec(graphdef, weights, state, requests, stop_after, *, proposer, plan, lay
 
 prefill_program = Program(_prefill, ("graphdef", "capacity", "out_size", "greedy", "layout"))
 ar_program = Program(_ar, ("graphdef", "greedy", "layout"), donate_argnames=("state",))
-feature_prefill_program = Program(_feature_prefill, ("graphdef", "capacity", "out_size", "greedy", "layer_ids",
-                                                     "layout"))
-logged_ar_chunk_program = Program(_logged_ar_chunk, ("graphdef", "greedy", "layer_ids", "layout"),
-                                  donate_argnames=("state", "log"))
-# not the requests: they hold the engine's stop ids
-insert_program = Program(_insert, ("layout",), donate_argnames=("state", "log", "ready"))
+logged_ar_program = Program(_logged_ar, ("graphdef", "capacity", "out_size", "greedy", "layer_ids", "layout"))
 spec_prefill_program = Program(_spec_prefill, ("graphdef", "proposer", "plan", "capacity", "out_size", "layout"))
 spec_program = Program(_spec, ("graphdef", "proposer", "plan", "layout"), donate_argnames=("state",))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from treespark_jax.decode.feature_log import FeatureLog
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.streams import purpose_keys
@@ -94,34 +93,3 @@ def append_tokens(state: GenState, new: Int[Array, "B _"], n_new: Int[Array, "B"
     stopped = jnp.any(is_stop & write, axis=1)
     done = state.done | stopped | (n_out >= requests.max_new)
     return state.replace(out=out, n_out=n_out, done=done), kept
-
-
-def insert_rows(state: GenState, log: FeatureLog, ready: Bool[Array, "B"], requests: Requests, new_state: GenState,
-                new_log: FeatureLog, new_requests: Requests, slots: Int[Array, "refill"]
-                ) -> tuple[GenState, FeatureLog, Bool[Array, "B"], Requests]:
-    """A running batch whose rows ``slots`` are replaced by the rows of a new prompts' prefill
-    (continuous batching, ``decode/refill.py``): their cache rows, anchors, outputs, logs and
-    request settings, not ready. A slot index of ``B`` or more drops its row (the new batch's padding).
-
-    Args:
-      state, log, ready, requests: the running batch (``B`` rows).
-      new_state, new_log, new_requests: the new prompts' batch (``k`` rows) after prefill, with the
-        running batch's cache capacity and output size.
-      slots: ``[k]`` int32 row of the running batch each new row takes.
-
-    Returns:
-      ``(state, log, ready, requests)`` with the rows replaced (``steps`` unchanged).
-    """
-    def put(big, small, axis=0):
-        return big.at[(slice(None),) * axis + (slots,)].set(small, mode="drop")
-
-    cache, new_cache = state.cache, new_state.cache
-    state = state.replace(
-        cache=cache.replace(k=put(cache.k, new_cache.k, 1), v=put(cache.v, new_cache.v, 1),
-                            lengths=put(cache.lengths, new_cache.lengths)),
-        anchor=put(state.anchor, new_state.anchor), out=put(state.out, new_state.out),
-        n_out=put(state.n_out, new_state.n_out), done=put(state.done, new_state.done))
-    log = FeatureLog(features=put(log.features, new_log.features), hidden=put(log.hidden, new_log.hidden))
-    requests = requests.replace(**{f: put(getattr(requests, f), getattr(new_requests, f))
-                                   for f in ("temperature", "top_p", "keys", "max_new")})
-    return state, log, put(ready, jnp.zeros_like(new_state.done)), requests

@@ -1,15 +1,14 @@
 """Generating rollouts: the target answers prompts, and its features are logged per token.
 
-Autoregressive rollouts log every token's selected-layer features and final-norm hidden state
-from the generation's own forwards, ``batch_size`` rows decoding at once with continuous batching
-(``Engine.stream_features``: a finished row's slot takes the next prompt, so no row idles while a
-longer one runs); speculative (on-policy) ones decode batch by batch, log every verified tree and then take
+For each batch of prompts the engine generates the responses. Autoregressive rollouts log every
+token's selected-layer features and final-norm hidden state from the generation's own forwards
+(``Engine.generate_features``); speculative (on-policy) ones log every verified tree and then take
 the features from **one** causal forward of the target over the batch of whole ``prompt +
 response`` sequences (right-padded to a power-of-two bucket, in the target's compute dtype). Both
 are stored bfloat16. The LM head over the stored hidden states gives each row's whole-vocabulary
 logsumexp and argmax (and, for on-policy rollouts, each verify row's, at the tree's temperature),
-which training with a draft vocabulary needs. Every ``batch_size`` finished records become one
-shard (see :mod:`~treespark_jax.rollouts.store`).
+which training with a draft vocabulary needs. One batch becomes one shard (see
+:mod:`~treespark_jax.rollouts.store`).
 
 Only the first user turn of each prompt is answered: MT-Bench's second turns need the model's
 own first answer and are not generated here.
@@ -19,9 +18,10 @@ Seeds: prompt ``(set, id)`` samples with the uint32 seed taken from
 it falls in, on ``--limit`` or on a resume.
 
 Resume: the prompts listed in the directory's finished shards are skipped; the remaining ones
-are admitted shortest first (``write_rollouts``). At temperature 0 a resumed run writes the same
+are batched shortest first (``write_rollouts``). At temperature 0 a resumed run writes the same
 records as an uninterrupted one up to the summation order of other batch compositions; at
-temperature > 0 each row's draws are seeded per prompt, so they agree too up to the same rounding.
+temperature > 0 each row's draws are seeded per prompt, so they agree too as long as the engine
+gives the same batch composition.
 """
 
 from __future__ import annotations
@@ -55,10 +55,6 @@ from treespark_jax.rollouts.store import RolloutWriter
 
 __all__ = ["RolloutRun", "RolloutSettings", "on_policy_generation", "prompt_seed", "record_arrays",
            "record_normalisers", "target_features", "target_normalisers", "write_rollouts"]
-
-REFILL_SHARE = 4
-"""Autoregressive rollouts refill their batch once a ``1 / REFILL_SHARE`` of its rows are done
-(``Engine.stream_features``): a quarter of the batch, a prefill of 8 rows at batch 32."""
 
 NORMALISER_ROWS = 256
 """Hidden states per LM-head call of ``target_normalisers`` (``[256, V]`` float32 logits at a time)."""
@@ -278,10 +274,10 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                    layer_ids: Sequence[int] | None = None, spec: Speculation | None = None,
                    engine: Engine | None = None, source: dict[str, Any] | None = None,
                    binding: TargetBinding | None = None, progress: bool = True) -> RolloutRun:
-    """Writes (or resumes) a rollout directory: one record per prompt, a shard per ``batch_size`` records.
+    """Writes (or resumes) a rollout directory: one record per prompt, one shard per batch.
 
-    The prompts not yet done are admitted in order of token length (shortest first, ties in the
-    given order), so each prefill pads to a bucket close to its own prompts.
+    The prompts not yet done are batched in order of token length (shortest first, ties in the
+    given order), so each batch's prefill pads to a bucket close to its own prompts.
 
     Args:
       target: the loaded target (``models.load.Target``: ``model``, ``tokenizer``, ``cfg``).
@@ -337,49 +333,39 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
         session = None if spec is None else engine.session(spec, settings.temperature == 0, log_trees=True)
         head = TargetHead.of(target.model, target.model.dtype)
         stop_ids = set(target.tokenizer.stop_ids)
-        ids = [tokenized[p.id] for p in todo]
-        seeds = [prompt_seed(settings.seed, p.set, p.id) for p in todo]
-
-        def shard(batch: list[int], outs, feats, trees, t0: float) -> None:
-            """Writes the records of ``todo[batch]``, generated since ``t0``."""
-            t1 = time.perf_counter()
-            if feats is None:  # a second pass: the speculative loop does not log every row's features
-                feats = target_features(target.model, [ids[i] + o for i, o in zip(batch, outs)], layer_ids)
-            norms = record_normalisers(head, [h for _, h in feats], [len(ids[i]) for i in batch])
-            t2 = time.perf_counter()
-            records = [make_record(ids[i] + o, len(ids[i]), f, h, lse, top, prompt_set=todo[i].set,
-                                   prompt_id=todo[i].id, seed=seeds[i], temperature=settings.temperature,
-                                   top_p=settings.top_p, finished=bool(o) and o[-1] in stop_ids, trees=tree)
-                       for i, o, (f, h), (lse, top), tree in zip(batch, outs, feats, norms, trees)]
-            entry = writer.write_shard(records)
-            t3 = time.perf_counter()
-            run.generate_s, run.features_s, run.write_s = (run.generate_s + t1 - t0, run.features_s + t2 - t1,
-                                                           run.write_s + t3 - t2)
-            run.written_records += entry["records"]
-            run.written_tokens += entry["tokens"]
-            run.written_bytes += entry["bytes"]
-            bar.update(len(batch))
-            bar.set_postfix(tokens=run.written_tokens, MB=f"{run.written_bytes / 1e6:.1f}")
-
         bar = tqdm(total=len(prompts), initial=run.skipped, unit="prompt", desc="rollouts", disable=not progress)
         with bar:
-            if spec is None and todo:  # features from the generation's own forwards, the batch kept full
-                done, t0 = [], time.perf_counter()
-                for row in engine.stream_features(ids, settings.max_new_tokens, layer_ids, settings.temperature,
-                                                  settings.top_p, seeds, slots=settings.batch_size,
-                                                  refill=max(1, settings.batch_size // REFILL_SHARE)):
-                    done.append(row)  # (prompt, response, features), in the order rows finish
-                    if len(done) == settings.batch_size or run.written_records + len(done) == len(todo):
-                        index, outs, feats = zip(*done)
-                        shard(list(index), list(outs), list(feats), [None] * len(done), t0)
-                        done, t0 = [], time.perf_counter()
-            elif spec is not None:
-                for start in range(0, len(todo), settings.batch_size):
-                    batch = list(range(start, min(start + settings.batch_size, len(todo))))
-                    t0 = time.perf_counter()
-                    outs, trees, _ = on_policy_generation(session, head, [ids[i] for i in batch], settings,
-                                                          [seeds[i] for i in batch])
-                    shard(batch, outs, None, trees, t0)
+            for start in range(0, len(todo), settings.batch_size):
+                batch = todo[start: start + settings.batch_size]
+                ids = [tokenized[p.id] for p in batch]
+                seeds = [prompt_seed(settings.seed, p.set, p.id) for p in batch]
+                t0 = time.perf_counter()
+                if spec is None:  # the features come from the generation's own forwards
+                    outs, feats = engine.generate_features(ids, settings.max_new_tokens, layer_ids,
+                                                           settings.temperature, settings.top_p, seeds)
+                    trees = [None] * len(batch)
+                else:
+                    outs, trees, _ = on_policy_generation(session, head, ids, settings, seeds)
+                    feats = None
+                t1 = time.perf_counter()
+                if feats is None:  # a second pass: the speculative loop does not log every row's features
+                    feats = target_features(target.model, [p + o for p, o in zip(ids, outs)], layer_ids)
+                norms = record_normalisers(head, [h for _, h in feats], [len(p) for p in ids])
+                t2 = time.perf_counter()
+                records = [make_record(p + o, len(p), f, h, lse, top, prompt_set=rec.set, prompt_id=rec.id, seed=s,
+                                       temperature=settings.temperature, top_p=settings.top_p,
+                                       finished=bool(o) and o[-1] in stop_ids, trees=tree)
+                           for rec, p, o, (f, h), (lse, top), s, tree in zip(batch, ids, outs, feats, norms, seeds,
+                                                                             trees)]
+                entry = writer.write_shard(records)
+                t3 = time.perf_counter()
+                run.generate_s, run.features_s, run.write_s = (run.generate_s + t1 - t0, run.features_s + t2 - t1,
+                                                               run.write_s + t3 - t2)
+                run.written_records += entry["records"]
+                run.written_tokens += entry["tokens"]
+                run.written_bytes += entry["bytes"]
+                bar.update(len(batch))
+                bar.set_postfix(tokens=run.written_tokens, MB=f"{run.written_bytes / 1e6:.1f}")
         run.manifest = writer.manifest
     return run
 
