@@ -120,7 +120,7 @@ def shard_problem(directory: Path, shard: dict[str, Any], sha256: bool) -> str |
     return None
 
 
-def check_output(directory: str | Path, name: str = "output directory") -> None:
+def check_output(directory: str | Path, name: str = "output directory") -> dict[str, Any] | None:
     """Refuses a rollout output that a run cannot write into or resume: a directory holding files
     but no manifest (hidden files, such as the lock, do not count), or one whose manifest does not
     read (``read_manifest``). A missing or empty directory passes.
@@ -129,15 +129,19 @@ def check_output(directory: str | Path, name: str = "output directory") -> None:
       directory: the output directory.
       name: how the error names it (``--out`` from the CLI).
 
+    Returns:
+      The manifest of a run to resume, or ``None`` for a new directory.
+
     Raises:
       RolloutError: one sentence naming ``directory``.
     """
     directory = Path(directory)
     if (directory / MANIFEST).exists():
-        read_manifest(directory)
-    elif directory.is_dir() and any(not p.name.startswith(".") for p in directory.iterdir()):
+        return read_manifest(directory)
+    if directory.is_dir() and any(not p.name.startswith(".") for p in directory.iterdir()):
         raise RolloutError(f"{name} {str(directory)!r} holds files but no {MANIFEST}; choose an empty or new "
                            "directory.")
+    return None
 
 
 # A run's settings (``identity``) by the flags of ``treespark rollout`` that set them
@@ -185,12 +189,10 @@ class RolloutWriter:
         remove_partials(self.directory)  # a killed run's half-written manifest
         fresh = {"format": FORMAT, "format_version": FORMAT_VERSION, **header, "feature_dtype": "bfloat16",
                  "shards": [], "next_shard": 0}
-        check_output(self.directory)
-        if (self.directory / MANIFEST).exists():
-            self.manifest = read_manifest(self.directory)
+        resumed = check_output(self.directory)
+        self.manifest = fresh if resumed is None else resumed
+        if resumed is not None:
             self._check_same_run(fresh)
-        else:
-            self.manifest = fresh
         self.dropped = [s["file"] for s in self.manifest["shards"]
                         if shard_problem(self.directory, s, sha256=True)]
         self.manifest["shards"] = [s for s in self.manifest["shards"] if s["file"] not in self.dropped]
