@@ -349,14 +349,24 @@ def test_records_refuse_inconsistent_shapes():
 
 
 @pytest.mark.e2e
-def test_cli_rollout_on_a_tiny_target(tmp_path, tiny_dir, prompt_file, baseline, capsys):
+def test_cli_rollout_on_a_tiny_target(tmp_path, tiny_dir, prompt_file, baseline, capsys, monkeypatch):
+    import treespark_jax.api
+
     out = tmp_path / "cli"
     args = ["rollout", "--target", str(tiny_dir), "--prompts", str(prompt_file), "--out", str(out),
             "--max-new-tokens", "8", "--batch-size", "2"]
     assert main(args) == 0
     assert "records    4 (4 written now, 0 already done)" in capsys.readouterr().out
-    assert main(args) == 0
-    assert "records    4 (0 written now, 4 already done)" in capsys.readouterr().out
+    loads = []
+    real_load = treespark_jax.api.load
+    monkeypatch.setattr(treespark_jax.api, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    assert main(args) == 0  # finished: reported without loading the target
+    assert "records    4 (0 written now, 4 already done)" in capsys.readouterr().out and not loads
+    assert main(args + ["--limit", "2", "--layer-ids", ",".join(map(str, default_layer_ids(8)))]) == 0 and not loads
+    assert "records    4 (0 written now, 2 already done)" in capsys.readouterr().out
+    other = write_tiny_target(tmp_path / "other-weights", seed=1)  # the same run asked of other weights
+    assert main(["rollout", "--target", str(other), *args[3:]]) == 2 and len(loads) == 1
+    assert "made with target weights_sha256" in capsys.readouterr().err
     for a, b in zip(_records(out), _records(baseline)):
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
     manifest = json.loads((out / MANIFEST).read_text())
@@ -376,6 +386,11 @@ def test_cli_rollout_on_a_tiny_target(tmp_path, tiny_dir, prompt_file, baseline,
         err = capsys.readouterr().err
         assert err.startswith("treespark rollout: error: ") and err.count("\n") == 1, err
         assert re.search(message, err), err
+    shard = sorted(out.glob("shard-*.array_record"))[0]
+    shard.write_bytes(shard.read_bytes()[:-7])  # a damaged shard is written again, which needs the target
+    loaded = len(loads)
+    assert main(args) == 0 and len(loads) == loaded + 1
+    assert "records    4 (2 written now, 2 already done)" in capsys.readouterr().out
 
 
 @pytest.mark.slow

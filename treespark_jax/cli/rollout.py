@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.prompts.load import DEFAULT_EVAL_SIZE, load_prompts
     from treespark_jax.prompts.sets import PROMPT_SETS
     from treespark_jax.rollouts.store import check_output
-    from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
+    from treespark_jax.rollouts.writer import RolloutSettings, finished_run, write_rollouts
 
     check_at_least(args, limit=1, max_new_tokens=1, batch_size=1)
     generation_config(args)  # --temperature, --top-p, --seed and --budget checked as generate checks them
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
             batch_size=args.batch_size, method=method, budget=budget, drafter=drafter_id)
     check_out_dir("--out", args.out)
-    check_output(args.out, "--out")
+    manifest = check_output(args.out, "--out")
     layer_ids = None if args.layer_ids is None else comma_list("--layer-ids", args.layer_ids, int)
     is_set = args.prompts in PROMPT_SETS
     split = args.split or ("train" if is_set else None)
@@ -86,14 +86,18 @@ def run(args: argparse.Namespace) -> None:
         prompts = load_prompts(args.prompts, split)[: args.limit]  # before the slow target load
     source = {"source": args.prompts if is_set else str(Path(args.prompts).resolve()), "split": split,
               "split_seed": 0, "eval_size": DEFAULT_EVAL_SIZE if is_set else None}
-    lm = load(target_name(args), args.dtype, mesh=args.mesh)
-    spec = None
-    if args.drafter:
-        spec = lm.speculation(method=method, budget=budget, drafter=args.drafter)
-        layer_ids = layer_ids or list(lm.drafter(method, args.drafter).cfg.target_layer_ids)
-    with named_by_flag(layer_ids="--layer-ids"):
-        run = write_rollouts(lm.target, prompts, args.out, settings=settings, layer_ids=layer_ids, spec=spec,
-                             engine=lm.engine, source=source)
+    # a finished run is reported without the seconds of loading the target
+    run = finished_run(args.out, manifest, prompts, target=target_name(args), settings=settings, source=source,
+                       layer_ids=layer_ids)
+    if run is None:
+        lm = load(target_name(args), args.dtype, mesh=args.mesh)
+        spec = None
+        if args.drafter:
+            spec = lm.speculation(method=method, budget=budget, drafter=args.drafter)
+            layer_ids = layer_ids or list(lm.drafter(method, args.drafter).cfg.target_layer_ids)
+        with named_by_flag(layer_ids="--layer-ids"):
+            run = write_rollouts(lm.target, prompts, args.out, settings=settings, layer_ids=layer_ids, spec=spec,
+                                 engine=lm.engine, source=source)
     m = run.manifest
     rows = [("directory", str(Path(args.out).resolve())),
             ("records", f"{m['records']} ({run.written_records} written now, {run.skipped} already done)"),

@@ -63,6 +63,17 @@ def weights_sha256(path: Path) -> str:
     return sha256_files(files)
 
 
+def target_sha256(name: str) -> str:
+    """The weights hash ``TargetBinding.of`` records for the target ``name`` (a preset's pinned
+    sha256, else ``weights_sha256`` of the file or directory), without loading it.
+
+    Raises:
+      ValueError: a directory without ``*.safetensors`` files.
+      FileNotFoundError: a path that does not exist.
+    """
+    return PRESETS[name].asset.sha256 if name in PRESETS else weights_sha256(Path(name))
+
+
 def params_sha256(params: Path) -> dict[str, str]:
     """The sha256 of every file under a checkpoint's ``params`` directory, keyed by its POSIX path
     relative to that directory."""
@@ -91,11 +102,8 @@ class TargetBinding:
     def of(cls, target: Target) -> TargetBinding:
         """The binding of a loaded target; a preset uses its pinned sha256 (checked at fetch),
         a path is hashed here (seconds per GB)."""
-        if target.name in PRESETS:
-            name, sha = target.name, PRESETS[target.name].asset.sha256
-        else:
-            name, sha = str(Path(target.path).resolve()), weights_sha256(Path(target.path))
-        return cls.for_config(target.cfg, name, sha)
+        name = target.name if target.name in PRESETS else str(Path(target.path).resolve())
+        return cls.for_config(target.cfg, name, target_sha256(name))
 
     @classmethod
     def for_config(cls, cfg: ModelConfig, name: str, sha256: str) -> TargetBinding:

@@ -29,8 +29,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -44,16 +46,16 @@ from treespark_jax.decode import buckets
 from treespark_jax.decode.engine import Engine, check_sampling
 from treespark_jax.decode.plan import Speculation
 from treespark_jax.decode.stats import GenerationStats
-from treespark_jax.drafter.checkpoint import TargetBinding
+from treespark_jax.drafter.checkpoint import TargetBinding, target_sha256
 from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.sets import PromptRecord
 from treespark_jax.rollouts.features import causal_features
 from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, first_normalised_row, make_record
-from treespark_jax.rollouts.store import RolloutWriter
+from treespark_jax.rollouts.store import RolloutWriter, shard_problem
 
-__all__ = ["RolloutRun", "RolloutSettings", "on_policy_generation", "prompt_seed", "record_arrays",
+__all__ = ["RolloutRun", "RolloutSettings", "finished_run", "on_policy_generation", "prompt_seed", "record_arrays",
            "record_normalisers", "target_features", "target_normalisers", "write_rollouts"]
 
 NORMALISER_ROWS = 256
@@ -270,6 +272,47 @@ def _check_layer_ids(layer_ids: Sequence[int], n_layers: int) -> tuple[int, ...]
     return ids
 
 
+def _run_identity(settings: RolloutSettings, source: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest's ``identity``: what a resumed run must repeat."""
+    return {"prompts": source or {}, "chat": True, "turns": "first", **settings.identity()}
+
+
+def finished_run(directory, manifest: dict[str, Any] | None, prompts: Sequence[PromptRecord], *, target: str,
+                 settings: RolloutSettings = RolloutSettings(), source: dict[str, Any] | None = None,
+                 layer_ids: Sequence[int] | None = None) -> RolloutRun | None:
+    """The run in ``directory`` when it is already done, so that nothing needs the target loaded.
+
+    Done means: its ``manifest`` (``rollouts.store.check_output``) lists a record of every one of
+    ``prompts``, made with the same settings, prompt source, layer ids (when given) and target
+    weights (``target_sha256(target)``, hashed only once the rest agrees), and every shard passes
+    its size and sha256 check. Anything else returns ``None``: ``write_rollouts`` then resumes
+    the run or refuses it (naming what differs), as without this check.
+
+    Args:
+      directory: the rollout directory.
+      manifest: its manifest, or ``None`` for a new directory.
+      prompts: the prompts of the run asked for.
+      target: the target's preset name or path (``treespark rollout``'s ``--preset``/``--target``).
+      settings, source, layer_ids: as ``write_rollouts`` takes them.
+
+    Returns:
+      ``RolloutRun(manifest, skipped=len(prompts))`` for a finished run, else ``None``.
+    """
+    if manifest is None or manifest.get("trees") != (settings.method != "ar"):
+        return None
+    done = {p for s in manifest["shards"] for p in s["prompt_ids"]}
+    same = json.loads(json.dumps(_run_identity(settings, source))) == manifest.get("identity")
+    if not same or any(p.id not in done for p in prompts):
+        return None
+    if layer_ids is not None and list(layer_ids) != manifest.get("layer_ids"):
+        return None
+    if manifest["target"].get("weights_sha256") != target_sha256(target):
+        return None
+    if any(shard_problem(Path(directory), s, sha256=True) for s in manifest["shards"]):
+        return None
+    return RolloutRun(manifest=manifest, skipped=len(prompts))
+
+
 def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: RolloutSettings = RolloutSettings(),
                    layer_ids: Sequence[int] | None = None, spec: Speculation | None = None,
                    engine: Engine | None = None, source: dict[str, Any] | None = None,
@@ -314,7 +357,7 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
     cfg = target.cfg
     layer_ids = _check_layer_ids(default_layer_ids(cfg.n_layers) if layer_ids is None else layer_ids, cfg.n_layers)
     binding = binding or TargetBinding.of(target)
-    identity = {"prompts": source or {}, "chat": True, "turns": "first", **settings.identity()}
+    identity = _run_identity(settings, source)
     tokenized = {p.id: prompt_ids(target.tokenizer, p) for p in prompts}
     for p in prompts:  # up front, so a long prompt cannot stop a run half-way
         if len(tokenized[p.id]) + settings.max_new_tokens > cfg.max_positions:
