@@ -1,6 +1,7 @@
 """The command line end to end on the default preset: output, JSON and one-sentence errors."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -453,3 +454,25 @@ def test_train_online_defaults_to_the_default_preset_and_offline_to_the_rollouts
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "offline training uses the rollouts' target and --online smollm2-135m" in text
+
+
+def test_sigterm_unwinds_like_ctrl_c_and_exits_143(capsys, monkeypatch):
+    import os
+    import signal
+
+    import treespark_jax.cli.models as models_cli
+
+    cleaned = []
+
+    def killed(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        finally:
+            cleaned.append(True)  # the command's cleanup runs, as on Ctrl-C
+
+    monkeypatch.setattr(models_cli, "run", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["models", "list"]) == 143 and cleaned == [True]
+    assert capsys.readouterr().err == "treespark models list: terminated.\n"
+    assert signal.getsignal(signal.SIGTERM) is before  # restored for the caller

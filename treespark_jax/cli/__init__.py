@@ -14,14 +14,17 @@ export-drafter}``.
 Each command module has ``add_parser(sub)`` and ``run(args)``; heavy imports (the API, the
 models, the training loop) happen inside ``run``. Errors a user can cause (bad flags, unknown
 preset, a prompt longer than the context, a corrupt download) are printed as one sentence on
-stderr with exit status 2, never as a traceback; so are a refused file access (exit 1) and
-Ctrl-C (exit 130).
+stderr with exit status 2, never as a traceback; so are a refused file access (exit 1), Ctrl-C
+(exit 130) and SIGTERM (exit 143), after which, as after Ctrl-C, the command's cleanup has run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 
 from treespark_jax import __version__
 
@@ -73,6 +76,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so a command unwinds as it does on Ctrl-C."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """Within the block, SIGTERM raises ``Terminated`` in the main thread (elsewhere it is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``treespark`` command; returns the exit status.
 
@@ -83,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
       0 on success, 2 when a command raised ``ValueError`` (its message goes to stderr as
       ``treespark COMMAND: error: ...``, as argparse words a bad flag), 1 when the file system
       refused a read or write (``OSError``, one line naming the file), 130 on Ctrl-C
-      (``treespark COMMAND: interrupted.``). Bad flags exit 2 through argparse (``SystemExit``).
+      (``treespark COMMAND: interrupted.``), 143 on SIGTERM (``treespark COMMAND: terminated.``). Bad
+      flags exit 2 through argparse (``SystemExit``).
     """
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -94,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # refused by the subcommand's parser, so the message names it and its --help
         command.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        _COMMANDS[args.command].run(args)
+        with _sigterm_unwinds():
+            _COMMANDS[args.command].run(args)
     except ValueError as e:  # user errors (AssetError is a ValueError too)
         print(f"{command.prog}: error: {e}", file=sys.stderr)
         return 2
@@ -102,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f" {e.filename}" if e.filename else ""
         print(f"{command.prog}: error: cannot access{where}: {e.strerror or e}.", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C: what is written is whole (files.py); a rerun resumes or redoes
-        print(f"{command.prog}: interrupted.", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: what is written is whole (files.py); a rerun resumes
+        terminated = isinstance(e, Terminated)
+        print(f"{command.prog}: {'terminated' if terminated else 'interrupted'}.", file=sys.stderr)
+        return 143 if terminated else 130
     return 0
