@@ -185,12 +185,6 @@ def run(args: argparse.Namespace) -> None:
       ValueError: ``--steps``, ``--batch-size`` or ``--anchors`` below 1, a bad ``--mesh``; the training
         loop raises it for an unknown loss, unusable rollouts or a run directory of other settings.
     """
-    from treespark_jax.config import TrainConfig
-    from treespark_jax.mesh import maybe_initialize_distributed, parse_mesh
-    from treespark_jax.runtime import enable_compilation_cache
-    from treespark_jax.train.loop import train
-
-    maybe_initialize_distributed()  # before any JAX computation
     if args.online and args.rollouts:
         raise ValueError("--online reads token sequences from --prompts DIR, not stored features from --rollouts.")
     if args.prompts and not args.online:
@@ -199,6 +193,13 @@ def run(args: argparse.Namespace) -> None:
                    decode_prompts=1, max_new_tokens=1)
     check_out_dir("--out", args.out)
     check_drafter_path(args.init, "--init")
+    # the training loop's imports (seconds) come after the checks that need none
+    from treespark_jax.config import TrainConfig
+    from treespark_jax.mesh import maybe_initialize_distributed, parse_mesh
+    from treespark_jax.runtime import enable_compilation_cache
+    from treespark_jax.train.loop import train
+
+    maybe_initialize_distributed()  # before any JAX computation
     on_policy = on_policy_config(args)
     settings = dict(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                     min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
