@@ -306,7 +306,10 @@ def finished_run(directory, manifest: dict[str, Any] | None, prompts: Sequence[P
         return None
     if layer_ids is not None and list(layer_ids) != manifest.get("layer_ids"):
         return None
-    if manifest["target"].get("weights_sha256") != target_sha256(target):
+    try:
+        if manifest["target"].get("weights_sha256") != target_sha256(target):
+            return None
+    except (OSError, ValueError):  # a target path that cannot be hashed: loading it says why
         return None
     if any(shard_problem(Path(directory), s, sha256=True) for s in manifest["shards"]):
         return None
