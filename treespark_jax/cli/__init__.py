@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -76,25 +77,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+RESEND_S = 1.0
+"""Seconds after which an interrupt is sent again while no command has caught it (``_interrupts_unwind``)."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the main thread is, so a command unwinds as it does on Ctrl-C."""
 
 
-def _terminate(signum, frame):
-    raise Terminated
-
-
 @contextlib.contextmanager
-def _sigterm_unwinds():
-    """Within the block, SIGTERM raises ``Terminated`` in the main thread (elsewhere it is left alone)."""
+def _interrupts_unwind():
+    """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``Terminated`` in the main
+    thread (elsewhere this does nothing), and each signal is sent again every ``RESEND_S`` seconds until
+    the block has ended: Python drops an exception raised while it runs a garbage-collection callback
+    (JAX registers one), printing "Exception ignored", and the command would carry on."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    lock, ended = threading.Lock(), [False]
+
+    def resend(signum: int) -> None:
+        with lock:
+            if not ended[0]:
+                os.kill(os.getpid(), signum)
+
+    def unwind(signum, frame):
+        timer = threading.Timer(RESEND_S, resend, (signum,))
+        timer.daemon = True
+        timer.start()
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+    previous = {s: signal.signal(s, unwind) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        with lock:
+            ended[0] = True
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # refused by the subcommand's parser, so the message names it and its --help
         command.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        with _sigterm_unwinds():
+        with _interrupts_unwind():
             _COMMANDS[args.command].run(args)
     except ValueError as e:  # user errors (AssetError is a ValueError too)
         print(f"{command.prog}: error: {e}", file=sys.stderr)
@@ -133,3 +153,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{command.prog}: {'terminated' if terminated else 'interrupted'}.", file=sys.stderr)
         return 143 if terminated else 130
     return 0
+
+
+def console() -> None:
+    """The ``treespark`` executable: ``main()``, then exit with its status. After Ctrl-C or SIGTERM
+    the process ends at once (``os._exit``, the output flushed first): the command's cleanup has run,
+    and an orderly interpreter shutdown can crash (exit 139) while an XLA compile is still running
+    on a worker thread."""
+    code = main()
+    if code in (130, 143):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
