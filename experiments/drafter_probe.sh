@@ -4,8 +4,9 @@
 # (expected chain τ, greedy tree τ of pctree at BUDGET), and with COST=1 each drafter's round at the full BUDGET timed by
 # `treespark profile` (draft ms; what a deeper drafter costs at inference).
 #   experiments/drafter_probe.sh                                   (warm start: VARIANTS below)
-#   VARIANTS="layers1: layers2:--drafter-layers=2" experiments/drafter_probe.sh
-# A variant is NAME:FLAGS, FLAGS comma-separated `train` flags (`--init-layers=1`); empty for the default.
+#   VARIANTS="layers1:; layers2:--drafter-layers 2" experiments/drafter_probe.sh
+# VARIANTS are separated by semicolons; a variant is NAME:FLAGS, FLAGS `train` flags as typed (empty for the
+# defaults), e.g. "w:--init-layers 1,14 --loss-weights chain_ce=0.2,chain_l1=0.8".
 # Without TRAIN/EVAL_ROLLOUTS it makes its own rollouts of SET (LIMIT training and EVAL held-out prompts).
 # Outputs go to $DATA (gitignored); every stage resumes when re-run (rollouts skip finished prompts,
 # training resumes from its last checkpoint, finished evaluations and profiles are kept).
@@ -22,7 +23,7 @@ TRAIN_ROLLOUTS=${TRAIN_ROLLOUTS:-$DATA/$SET-train}  # space-separated rollout di
 EVAL_ROLLOUTS=${EVAL_ROLLOUTS:-$DATA/$SET-eval}
 STEPS=${STEPS:-200}            # optimizer steps per drafter
 SEED=${SEED:-0}
-VARIANTS=${VARIANTS:-"random: layer1:--init-layers=1 layer14:--init-layers=14 layer27:--init-layers=27"}
+VARIANTS=${VARIANTS:-"random:; layer1:--init-layers 1; layer14:--init-layers 14; layer27:--init-layers 27"}
 BUDGET=${BUDGET:-16}
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
 COST=${COST:-0}                # 1: time each drafter's round with `treespark profile` (context 256)
@@ -37,13 +38,15 @@ if [ "$EVAL_ROLLOUTS" = "$DATA/$SET-eval" ]; then
     --out "$DATA/$SET-eval"
 fi
 names=()
-for variant in $VARIANTS; do
+IFS=';' read -ra variants <<< "$VARIANTS"
+for variant in "${variants[@]}"; do
+  variant=${variant#"${variant%%[![:space:]]*}"}  # without the spaces before it
   name=${variant%%:*}
-  flags=${variant#*:}
+  read -ra flags <<< "${variant#*:}"
   names+=("$name")
   out="$DATA/dspark-$name"
-  # shellcheck disable=SC2086  # the flags split on the commas
-  $T train --rollouts $TRAIN_ROLLOUTS --loss dspark --draft-vocab "$DRAFT_VOCAB" ${flags//,/ } --steps "$STEPS" \
+  # shellcheck disable=SC2086  # the rollout directories split on spaces
+  $T train --rollouts $TRAIN_ROLLOUTS --loss dspark --draft-vocab "$DRAFT_VOCAB" "${flags[@]}" --steps "$STEPS" \
     --seed "$SEED" --batch-size 4 --seq-len 384 --anchors 16 --save-every 50 --log-every 10 --quiet --out "$out"
   # shellcheck disable=SC2086
   [ -f "$out/eval.json" ] || $T eval-drafter --drafter "$out/drafter" --rollouts $EVAL_ROLLOUTS --method pctree \

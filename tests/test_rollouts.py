@@ -200,7 +200,7 @@ def test_resume_after_an_interruption_gives_the_same_records(tmp_path, monkeypat
 
 @pytest.mark.parametrize("change, message", [
     (dict(settings=dataclasses.replace(SETTINGS, temperature=0.5)), "--temperature 0.0, not 0.5"),
-    (dict(layer_ids=(0, 2)), "layer ids \\[.*\\], not \\[0, 2\\]"),
+    (dict(layer_ids=(0, 2)), "--layer-ids [0-9,]+, not 0,2;"),
     (dict(binding="other"), "target weights_sha256"),
 ])
 def test_resuming_with_other_settings_is_refused(tmp_path, baseline, target, prompts, engine, change, message):
@@ -213,7 +213,8 @@ def test_resuming_with_other_settings_is_refused(tmp_path, baseline, target, pro
     assert sorted((p.name, p.stat().st_size) for p in out.iterdir()) == before
 
 
-def test_a_truncated_shard_is_an_error_and_a_resume_regenerates_it(tmp_path, baseline, target, prompts, engine):
+def test_a_truncated_shard_is_an_error_and_a_resume_regenerates_it(tmp_path, baseline, target, prompts, engine,
+                                                                    caplog):
     out = _copy(baseline, tmp_path)
     shard = out / "shard-00001.array_record"
     data = shard.read_bytes()
@@ -224,6 +225,8 @@ def test_a_truncated_shard_is_an_error_and_a_resume_regenerates_it(tmp_path, bas
             open_rollouts(out, verify=verify)
     run = _write(target, prompts, engine, out)
     assert (run.skipped, run.written_records) == (2, 2)
+    assert f"shard-00001.array_record has {len(data) // 2} bytes but the manifest records" in caplog.text
+    assert "its prompts are generated again" in caplog.text  # said, not silently redone
     for a, b in zip(_records(out), _records(baseline)):
         np.testing.assert_array_equal(a["features"], b["features"])
 

@@ -34,6 +34,7 @@ file not listed (a temporary, or a shard renamed just before a crash) is discard
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 from treespark_jax.files import hold_lock, remove_partials, sha256_files, write_text_atomic
 from treespark_jax.rollouts.records import RolloutError, encode_record
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MANIFEST", "RolloutWriter", "check_output", "read_manifest", "shard_problem"]
 
@@ -158,6 +161,11 @@ def _settings(identity: dict[str, Any]) -> dict[str, Any]:
     return {_SETTING_NAMES.get(k, k): v for k, v in flat.items()}
 
 
+def _ids(ids: Sequence[int] | None) -> str | None:
+    """Layer ids as ``--layer-ids`` takes them: ``1,8,14``."""
+    return None if ids is None else ",".join(map(str, ids))
+
+
 def _shown(value: Any) -> str:
     return "none" if value is None else value if isinstance(value, str) else json.dumps(value)
 
@@ -193,8 +201,10 @@ class RolloutWriter:
         self.manifest = fresh if resumed is None else resumed
         if resumed is not None:
             self._check_same_run(fresh)
-        self.dropped = [s["file"] for s in self.manifest["shards"]
-                        if shard_problem(self.directory, s, sha256=True)]
+        problems = {s["file"]: shard_problem(self.directory, s, sha256=True) for s in self.manifest["shards"]}
+        self.dropped = [name for name, problem in problems.items() if problem]
+        for name in self.dropped:
+            logger.warning("%s %s; its prompts are generated again.", self.directory / name, problems[name])
         self.manifest["shards"] = [s for s in self.manifest["shards"] if s["file"] not in self.dropped]
         listed = {s["file"] for s in self.manifest["shards"]}
         for path in self.directory.iterdir():  # only our own names: other files are left alone
@@ -215,7 +225,8 @@ class RolloutWriter:
     def _check_same_run(self, fresh: dict[str, Any]) -> None:
         old = self.manifest
         pairs = [(f"target {f}", old["target"].get(f), fresh["target"][f]) for f in COMPARED]
-        pairs += [("layer ids", old.get("layer_ids"), fresh["layer_ids"]), ("trees", old.get("trees"), fresh["trees"])]
+        pairs += [("--layer-ids", _ids(old.get("layer_ids")), _ids(fresh["layer_ids"])),
+                  ("trees", old.get("trees"), fresh["trees"])]
         was, now = _settings(old.get("identity", {})), _settings(fresh["identity"])
         pairs += [(k, was.get(k), now.get(k)) for k in sorted(set(was) | set(now))]
         for name, was, now in pairs:
