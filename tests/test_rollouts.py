@@ -376,22 +376,27 @@ def test_cli_rollout_on_a_tiny_target(tmp_path, tiny_dir, prompt_file, baseline,
     assert manifest["identity"]["prompts"]["source"] == str(prompt_file.resolve()) and manifest["trees"] is False
     other = tmp_path / "other.jsonl"
     shutil.copy(prompt_file, other)
-    for flags, message in [(["--temperature", "1.0"], "holds rollouts made with --temperature 0.0, not 1.0"),
-                           (["--prompts", str(other)], f"made with --prompts {prompt_file.resolve()}, not "
-                                                       f"{other.resolve()}; resume with the same settings"),
-                           (["--split", "train"], "--split 'train' does not apply to the JSONL file"),
-                           (["--max-new-tokens", "600"], "prompt 'p0' has \\d+ tokens and max_new_tokens=600, "
-                                                         "together more than the target's context of 512 tokens"),
-                           (["--layer-ids", "1,x"], "--layer-ids '1,x' must be comma-separated integers"),
-                           (["--layer-ids", "0,9"], "--layer-ids 0,9 must be distinct 0-based decoder "
-                                                    "layers below 8")]:
+    loaded = len(loads)
+    for flags, message, needs_target in [
+            (["--temperature", "1.0"], "holds rollouts made with --temperature 0.0, not 1.0", False),
+            (["--prompts", str(other)], f"made with --prompts {prompt_file.resolve()}, not {other.resolve()}; resume "
+                                        "with the same settings", False),
+            (["--layer-ids", "0,2"], "made with --layer-ids [0-9,]+, not 0,2; resume with the same settings", False),
+            (["--split", "train"], "--split 'train' does not apply to the JSONL file", False),
+            (["--max-new-tokens", "600", "--out", str(tmp_path / "long")],
+             "prompt 'p0' has \\d+ tokens and max_new_tokens=600, together more than the target's context of 512 "
+             "tokens", True),
+            (["--layer-ids", "1,x"], "--layer-ids '1,x' must be comma-separated integers", False),
+            (["--layer-ids", "0,9", "--out", str(tmp_path / "nine")], "--layer-ids 0,9 must be distinct 0-based "
+                                                                       "decoder layers below 8", True)]:
         assert main(args + flags) == 2
         err = capsys.readouterr().err
         assert err.startswith("treespark rollout: error: ") and err.count("\n") == 1, err
         assert re.search(message, err), err
+        assert len(loads) == loaded + needs_target, flags  # another run's settings are refused before the load
+        loaded = len(loads)
     shard = sorted(out.glob("shard-*.array_record"))[0]
     shard.write_bytes(shard.read_bytes()[:-7])  # a damaged shard is written again, which needs the target
-    loaded = len(loads)
     assert main(args) == 0 and len(loads) == loaded + 1
     assert "records    4 (2 written now, 2 already done)" in capsys.readouterr().out
 

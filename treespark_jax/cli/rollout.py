@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> None:
     """Writes (or resumes) the rollout directory and prints a summary table.
 
     Raises:
-      ValueError: ``--limit`` below 1, ``--layer-ids`` that are not integers, a sampling setting or
+      ValueError: ``--limit`` below 1, ``--layer-ids`` that are not integers, an ``--out`` of another run's
+        settings (before the target loads; a finished run is reported without loading it), a sampling setting or
         ``--budget`` out of range, ``--top-p`` below 1 with ``--drafter``, ``--method`` or ``--budget``
         without ``--drafter``, a ``--drafter`` that holds no drafter; the prompt loader (before the target
         loads), the target loader (a bad ``--mesh`` too) and the rollout writer raise it for their bad

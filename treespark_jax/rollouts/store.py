@@ -170,6 +170,31 @@ def _shown(value: Any) -> str:
     return "none" if value is None else value if isinstance(value, str) else json.dumps(value)
 
 
+def check_same_run(directory: str | Path, manifest: dict[str, Any], fresh: dict[str, Any]) -> None:
+    """Refuses to resume the run of ``manifest`` with other settings.
+
+    Args:
+      directory: the rollout directory (for the message).
+      manifest: its manifest.
+      fresh: the header of the run asked for (``RolloutWriter``'s ``header``); ``target`` and
+        ``layer_ids`` may be left out (not compared), so a caller can check the settings before the
+        target is loaded.
+
+    Raises:
+      RolloutError: one sentence naming the first setting that differs, by its flag where it has one.
+    """
+    pairs = [(f"target {f}", manifest["target"].get(f), fresh["target"][f]) for f in COMPARED if "target" in fresh]
+    if "layer_ids" in fresh:
+        pairs.append(("--layer-ids", _ids(manifest.get("layer_ids")), _ids(fresh["layer_ids"])))
+    pairs.append(("trees", manifest.get("trees"), fresh["trees"]))
+    was, now = _settings(manifest.get("identity", {})), _settings(fresh["identity"])
+    pairs += [(k, was.get(k), now.get(k)) for k in sorted(set(was) | set(now))]
+    for name, was, now in pairs:
+        if json.loads(json.dumps(was)) != json.loads(json.dumps(now)):  # tuples vs lists
+            raise RolloutError(f"{str(directory)!r} holds rollouts made with {name} {_shown(was)}, not "
+                               f"{_shown(now)}; resume with the same settings or choose another --out directory.")
+
+
 class RolloutWriter:
     """Writes shards into a rollout directory, resuming a previous run of the same settings.
 
@@ -200,7 +225,7 @@ class RolloutWriter:
         resumed = check_output(self.directory)
         self.manifest = fresh if resumed is None else resumed
         if resumed is not None:
-            self._check_same_run(fresh)
+            check_same_run(self.directory, resumed, fresh)
         problems = {s["file"]: shard_problem(self.directory, s, sha256=True) for s in self.manifest["shards"]}
         self.dropped = [name for name, problem in problems.items() if problem]
         for name in self.dropped:
@@ -221,18 +246,6 @@ class RolloutWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _check_same_run(self, fresh: dict[str, Any]) -> None:
-        old = self.manifest
-        pairs = [(f"target {f}", old["target"].get(f), fresh["target"][f]) for f in COMPARED]
-        pairs += [("--layer-ids", _ids(old.get("layer_ids")), _ids(fresh["layer_ids"])),
-                  ("trees", old.get("trees"), fresh["trees"])]
-        was, now = _settings(old.get("identity", {})), _settings(fresh["identity"])
-        pairs += [(k, was.get(k), now.get(k)) for k in sorted(set(was) | set(now))]
-        for name, was, now in pairs:
-            if json.loads(json.dumps(was)) != json.loads(json.dumps(now)):  # tuples vs lists
-                raise RolloutError(f"{str(self.directory)!r} holds rollouts made with {name} {_shown(was)}, not "
-                                   f"{_shown(now)}; resume with the same settings or choose another --out directory.")
 
     @property
     def done_prompt_ids(self) -> set[str]:

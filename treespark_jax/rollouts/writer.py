@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,7 +52,7 @@ from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.sets import PromptRecord
 from treespark_jax.rollouts.features import causal_features
 from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, first_normalised_row, make_record
-from treespark_jax.rollouts.store import RolloutWriter, shard_problem
+from treespark_jax.rollouts.store import RolloutWriter, check_same_run, shard_problem
 
 __all__ = ["RolloutRun", "RolloutSettings", "finished_run", "on_policy_generation", "prompt_seed", "record_arrays",
            "record_normalisers", "target_features", "target_normalisers", "write_rollouts"]
@@ -280,31 +279,34 @@ def _run_identity(settings: RolloutSettings, source: dict[str, Any] | None) -> d
 def finished_run(directory, manifest: dict[str, Any] | None, prompts: Sequence[PromptRecord], *, target: str,
                  settings: RolloutSettings = RolloutSettings(), source: dict[str, Any] | None = None,
                  layer_ids: Sequence[int] | None = None) -> RolloutRun | None:
-    """The run in ``directory`` when it is already done, so that nothing needs the target loaded.
+    """What a rollout directory asks of a run before the target loads: the run itself when it is
+    done, ``None`` when it is new or to be resumed, or a refusal when it holds another run.
 
     Done means: its ``manifest`` (``rollouts.store.check_output``) lists a record of every one of
-    ``prompts``, made with the same settings, prompt source, layer ids (when given) and target
-    weights (``target_sha256(target)``, hashed only once the rest agrees), and every shard passes
-    its size and sha256 check. Anything else returns ``None``: ``write_rollouts`` then resumes
-    the run or refuses it (naming what differs), as without this check.
+    ``prompts``, made for the same target weights (``target_sha256(target)``, hashed only once the
+    rest agrees), and every shard passes its size and sha256 check. ``write_rollouts`` decides the
+    rest once the target has loaded (its architecture, a damaged shard).
 
     Args:
       directory: the rollout directory.
       manifest: its manifest, or ``None`` for a new directory.
       prompts: the prompts of the run asked for.
       target: the target's preset name or path (``treespark rollout``'s ``--preset``/``--target``).
-      settings, source, layer_ids: as ``write_rollouts`` takes them.
+      settings, source, layer_ids: as ``write_rollouts`` takes them (``layer_ids`` ``None``: any).
 
     Returns:
       ``RolloutRun(manifest, skipped=len(prompts))`` for a finished run, else ``None``.
+
+    Raises:
+      RolloutError: the directory holds a run of other settings, prompt source or layer ids
+        (``rollouts.store.check_same_run``), named by flag.
     """
-    if manifest is None or manifest.get("trees") != (settings.method != "ar"):
+    if manifest is None:
         return None
+    fresh = {"identity": _run_identity(settings, source), "trees": settings.method != "ar"}
+    check_same_run(directory, manifest, fresh if layer_ids is None else {**fresh, "layer_ids": list(layer_ids)})
     done = {p for s in manifest["shards"] for p in s["prompt_ids"]}
-    same = json.loads(json.dumps(_run_identity(settings, source))) == manifest.get("identity")
-    if not same or any(p.id not in done for p in prompts):
-        return None
-    if layer_ids is not None and list(layer_ids) != manifest.get("layer_ids"):
+    if any(p.id not in done for p in prompts):
         return None
     try:
         if manifest["target"].get("weights_sha256") != target_sha256(target):
