@@ -170,6 +170,11 @@ def _shown(value: Any) -> str:
     return "none" if value is None else value if isinstance(value, str) else json.dumps(value)
 
 
+def done_prompt_ids(manifest: dict[str, Any]) -> set[str]:
+    """Prompt ids of the records in a manifest's shards."""
+    return {p for s in manifest["shards"] for p in s["prompt_ids"]}
+
+
 def check_same_run(directory: str | Path, manifest: dict[str, Any], fresh: dict[str, Any]) -> None:
     """Refuses to resume the run of ``manifest`` with other settings.
 
@@ -250,7 +255,7 @@ class RolloutWriter:
     @property
     def done_prompt_ids(self) -> set[str]:
         """Prompt ids of the records already in finished shards."""
-        return {p for s in self.manifest["shards"] for p in s["prompt_ids"]}
+        return done_prompt_ids(self.manifest)
 
     def write_shard(self, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """Writes one shard of records (from ``make_record``), then rewrites the manifest.

@@ -52,7 +52,7 @@ from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.sets import PromptRecord
 from treespark_jax.rollouts.features import causal_features
 from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, first_normalised_row, make_record
-from treespark_jax.rollouts.store import RolloutWriter, check_same_run, shard_problem
+from treespark_jax.rollouts.store import RolloutWriter, check_same_run, done_prompt_ids, shard_problem
 
 __all__ = ["RolloutRun", "RolloutSettings", "finished_run", "on_policy_generation", "prompt_seed", "record_arrays",
            "record_normalisers", "target_features", "target_normalisers", "write_rollouts"]
@@ -305,7 +305,7 @@ def finished_run(directory, manifest: dict[str, Any] | None, prompts: Sequence[P
         return None
     fresh = {"identity": _run_identity(settings, source), "trees": settings.method != "ar"}
     check_same_run(directory, manifest, fresh if layer_ids is None else {**fresh, "layer_ids": list(layer_ids)})
-    done = {p for s in manifest["shards"] for p in s["prompt_ids"]}
+    done = done_prompt_ids(manifest)
     if any(p.id not in done for p in prompts):
         return None
     try:
