@@ -5,7 +5,8 @@
 #      SELF_CODE > 0 that many code prompts it writes after the HumanEval wrapper, `--user-prefix`)
 #   2. a dflash drafter and a dspark drafter on the same data for the same steps, each trained on its
 #      draft vocabulary (the DRAFT_VOCAB most frequent tokens of the training rollouts)
-#   3. on-policy rollouts with the dspark drafter (every verified tree logged)
+#   3. on-policy rollouts with the dspark drafter (every verified tree logged): greedy ones replayed from the
+#      plain rollouts of stage 1 (REPLAY=1, `treespark replay`), or decoded speculatively (REPLAY=0)
 #   4. a treespark drafter warm-started from the dspark one (and its draft vocabulary), trained on the
 #      on-policy trees of the $ONPOLICY sets mixed (TREE_SHARE) with the plain rollouts of stage 1, whose
 #      tree slots stay empty
@@ -33,6 +34,8 @@ ANCHORS=${ANCHORS:-16}         # gold-chain blocks per sequence
 BUDGET=${BUDGET:-16}           # tree budget of the on-policy rollouts
 SETS="gsm8k humaneval mtbench"
 ONPOLICY=${ONPOLICY:-"gsm8k humaneval mtbench"}  # sets whose on-policy trees are logged (the others stay plain)
+REPLAY=${REPLAY:-1}             # onpolicy stage: 1 replays greedy trees from the plain rollouts (`treespark replay`,
+                               # minutes), 0 decodes speculatively with the target (hours on this CPU)
 TREE_SHARE=${TREE_SHARE:-0.5}  # treespark stages: share of every batch's sequences drawn from on-policy records
 SELF=${SELF:-4000}             # self-generated chat prompts (DESIGN.md §1.4)
 SELF_CODE=${SELF_CODE:-1000}   # self-generated code prompts (HumanEval has 132 training prompts; code needs more)
@@ -78,15 +81,21 @@ stage_selfcode() {  # code prompts: the target continues the HumanEval wrapper f
 }
 stage_dflash() { $T train --rollouts $(train_plain) --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }
 stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dspark"; }
+onpolicy_dir() { if [ "$REPLAY" = 1 ]; then echo "$DATA/replay-$1-train"; else echo "$DATA/onpolicy-$1-train"; fi; }
 stage_onpolicy() {
   for s in $ONPOLICY; do
-    $T rollout --prompts "$s" --split train ${LIMIT:+--limit "$LIMIT"} --max-new-tokens "$NEW" --batch-size "$RBATCH" \
-      --drafter "$DSPARK" --method pctree --budget "$BUDGET" --out "$DATA/onpolicy-$s-train"
+    if [ "$REPLAY" = 1 ]; then  # every plain training rollout of the set, replayed (no target forward)
+      $T replay --rollouts "$DATA/rollouts-$s-train" --drafter "$DSPARK" --method pctree --budget "$BUDGET" \
+        --batch-size 8 --out "$(onpolicy_dir "$s")"
+    else
+      $T rollout --prompts "$s" --split train ${LIMIT:+--limit "$LIMIT"} --max-new-tokens "$NEW" --batch-size "$RBATCH" \
+        --drafter "$DSPARK" --method pctree --budget "$BUDGET" --out "$(onpolicy_dir "$s")"
+    fi
   done
 }
 treespark_sets() {  # the on-policy trees, and every plain rollout there is (a set's on-policy prompts may be fewer)
   for s in $SETS; do
-    case " $ONPOLICY " in *" $s "*) echo "$DATA/onpolicy-$s-train" ;; esac
+    case " $ONPOLICY " in *" $s "*) onpolicy_dir "$s" ;; esac
     if [ -d "$DATA/rollouts-$s-train" ]; then echo "$DATA/rollouts-$s-train"; fi
   done
   self_rollouts

@@ -1,5 +1,5 @@
-"""Command line: ``treespark {generate, bench, models, profile, self-prompts, rollout, eval-drafter, train,
-export-drafter}``.
+"""Command line: ``treespark {generate, bench, models, profile, self-prompts, rollout, replay, eval-drafter,
+train, export-drafter}``.
 
 - ``generate``: one reply to a prompt with any decoding method (``generate.py``).
 - ``bench``: τ and speedup of methods × budgets against AR on a prompt set (``bench.py``).
@@ -7,6 +7,7 @@ export-drafter}``.
 - ``profile``: measure verify and draft cost on this device, store the cost model (``profile.py``).
 - ``self-prompts``: user turns written by the target itself, as a JSONL prompt file (``self_prompts.py``).
 - ``rollout``: log the target's answers and per-token features for training (``rollout.py``).
+- ``replay``: greedy on-policy trees of a drafter, replayed from a plain rollout (``replay.py``).
 - ``eval-drafter``: offline τ of a drafter on held-out rollouts (``eval_drafter.py``).
 - ``train``: train a block drafter on rollouts (``train.py``).
 - ``export-drafter``: write a drafter in z-lab's DFlash or the speculators format (``export_drafter.py``).
@@ -29,11 +30,11 @@ import threading
 
 from treespark_jax import __version__
 
-from treespark_jax.cli import (bench, eval_drafter, export_drafter, generate, models, profile, rollout, self_prompts,
-                               train)
+from treespark_jax.cli import (bench, eval_drafter, export_drafter, generate, models, profile, replay, rollout,
+                               self_prompts, train)
 
 _COMMANDS = {"generate": generate, "bench": bench, "models": models, "profile": profile,
-             "self-prompts": self_prompts, "rollout": rollout,
+             "self-prompts": self_prompts, "rollout": rollout, "replay": replay,
              "eval-drafter": eval_drafter, "train": train,
              "export-drafter": export_drafter}  # in the order of ``--help``
 

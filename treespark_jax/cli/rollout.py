@@ -99,8 +99,15 @@ def run(args: argparse.Namespace) -> None:
         with named_by_flag(layer_ids="--layer-ids"):
             run = write_rollouts(lm.target, prompts, args.out, settings=settings, layer_ids=layer_ids, spec=spec,
                                  engine=lm.engine, source=source)
+    print_run(args.out, run)
+
+
+def print_run(out: str, run) -> None:
+    """Prints a ``RolloutRun``'s summary table (``out``: the directory it wrote)."""
+    from pathlib import Path
+
     m = run.manifest
-    rows = [("directory", str(Path(args.out).resolve())),
+    rows = [("directory", str(Path(out).resolve())),
             ("records", f"{m['records']} ({run.written_records} written now, {run.skipped} already done)"),
             ("tokens", f"{m['tokens']} ({m['response_tokens']} response)"),
             ("size", f"{m['bytes'] / 1e6:.1f} MB in {len(m['shards'])} shard" + ("" if len(m["shards"]) == 1 else "s")),

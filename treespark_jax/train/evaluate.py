@@ -117,6 +117,27 @@ def edge_calibration(tree: DraftTree, gold: Int[Array, "blocks P"], gold_ok: Boo
     return total(jnp.ones_like(predicted)), total(predicted), total(hit.astype(predicted.dtype))
 
 
+def anchor_trees(drafter: BlockDrafter, head: TargetHead, draft_head: TargetHead | None, out: DrafterOutput,
+                 anchor_tokens: Int[Array, "blocks"], tree_cfg: TreeConfig) -> DraftTree:
+    """The tree greedy decoding builds at each block of a packed forward (traceable).
+
+    Args:
+      drafter: the drafter that computed ``out`` (its heads give the proposal's factors).
+      head: the target's embedding and LM head.
+      draft_head: the restricted head ``out`` was computed with, or ``None`` (whole vocabulary).
+      out: ``drafter.packed``'s ``[B, A, P, ·]`` output.
+      anchor_tokens: ``[B·A]`` int32 the anchor token of each block (rows flattened row-major).
+      tree_cfg: the builder and tree shape (a method's ``Speculation.tree``).
+
+    Returns:
+      ``[B·A, N]`` draft trees, as ``build_tree`` returns them under the greedy rule.
+    """
+    flat = DrafterOutput(hidden=out.hidden.reshape(-1, *out.hidden.shape[2:]),
+                         logits=out.logits.reshape(-1, *out.logits.shape[2:]))
+    proposal = drafter.proposal(flat, drafter.token_terms(head), None if draft_head is None else draft_head.vocab_ids)
+    return build_tree(proposal, anchor_tokens, tree_cfg, rule=VerifyRule.GREEDY)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "tree_cfg"))
 def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_cfg: TreeConfig | None):
     """Sums over one batch: blocks, chain τ, tree τ (0 without a tree), α per depth and its count."""
@@ -131,10 +152,7 @@ def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_c
     tree_tau = jnp.zeros(())
     calibration = None
     if tree_cfg is not None:
-        flat = DrafterOutput(hidden=out.hidden.reshape(-1, *out.hidden.shape[2:]),
-                             logits=out.logits.reshape(-1, *out.logits.shape[2:]))
-        proposal = drafter.proposal(flat, drafter.token_terms(head), None if draft_head is None else draft_head.vocab_ids)
-        tree = build_tree(proposal, chain.prev_tokens[:, 0], tree_cfg, rule=VerifyRule.GREEDY)
+        tree = anchor_trees(drafter, head, draft_head, out, chain.prev_tokens[:, 0], tree_cfg)
         accepted = gold_prefix_in_tree(tree, chain.gold, chain.mask)
         tree_tau = jnp.sum(jnp.where(used, 1 + accepted, 0))
         calibration = edge_calibration(tree, chain.gold, chain.mask, used)
