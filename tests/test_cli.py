@@ -262,12 +262,13 @@ def test_flags_share_one_vocabulary_across_commands(capsys):
         assert "--temperature" in flags[name] and "--temp" not in flags[name]
     for name in ("generate", "bench", "rollout", "self-prompts", "train"):
         assert "--mesh" in flags[name], name
-    for name in ("rollout", "self-prompts", "train", "eval-drafter"):
+    for name in ("rollout", "replay", "self-prompts", "train", "eval-drafter"):
         assert "--batch-size" in flags[name] and "--batch" not in flags[name], name
     assert "--limit" in flags["self-prompts"] and "--n" not in flags["self-prompts"]
     metavars = {(name, a.option_strings[0]): a.metavar for name, p in commands.items() for a in p._actions
                 if a.option_strings and a.option_strings[0] in ("--out", "--json-out")}
     assert {k: v for k, v in metavars.items() if k[1] == "--out"} == {("rollout", "--out"): "DIR",
+                                                                   ("replay", "--out"): "DIR",
                                                                    ("train", "--out"): "DIR",
                                                                    ("export-drafter", "--out"): "DIR"}
     assert all(v.startswith("FILE") for k, v in metavars.items() if k[1] == "--json-out"), metavars
