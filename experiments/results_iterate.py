@@ -2,7 +2,7 @@
 
 From ``experiments/train_drafters.sh iterate``'s runs under ``--data``: per temperature ``T`` of the
 on-policy rollouts and the online τ (``iter-r<r>`` at 0, ``iter-t<T>-r<r>`` otherwise) and round ``r``,
-``onpolicy`` (the round's on-policy rollouts) and ``<variant>-s<seed>/`` for
+``onpolicy`` (the round's on-policy rollouts) or ``replay-<set>`` (its replayed ones) and ``<variant>-s<seed>/`` for
 the ``treespark`` loss and its ``control`` (every tree term off), each with ``run.json``,
 ``eval.json`` (offline, ``treespark eval-drafter`` pooled over the three eval splits) and
 ``bench.json`` (online τ at equal budget on GSM8K eval prompts); round 1's start drafter is scored
@@ -67,11 +67,12 @@ def rounds(data: Path, temp: str = "0") -> list[dict]:
             if variant in VARIANTS and seed.isdigit() and scores is not None:
                 steps = json.loads((folder / "run.json").read_text())["train"]["steps"]
                 runs[(variant, int(seed))] = {**scores, "steps": steps}
-        manifest = json.loads((d / "onpolicy" / "manifest.json").read_text()) \
-            if (d / "onpolicy" / "manifest.json").is_file() else {}
+        trees = [json.loads(m.read_text()) for m in sorted([*d.glob("onpolicy/manifest.json"),
+                                                            *d.glob("replay-*/manifest.json")])]
         start = _scores(d / "start") if r == 1 else _scores(_round_dir(data, temp, r - 1) / "treespark-s0")
         if runs or start:
-            out.append({"round": r, "records": manifest.get("records"), "tokens": manifest.get("response_tokens"),
+            out.append({"round": r, "records": sum(m["records"] for m in trees) if trees else None,
+                        "tokens": sum(m["response_tokens"] for m in trees) if trees else None,
                         "start": start, "runs": runs})
         r += 1
     return out

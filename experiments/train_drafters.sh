@@ -142,9 +142,10 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
 }
 
 # The iterated loop of DESIGN.md §1.4 ("learning to draft the trees you verify"), ROUNDS rounds. Round r:
-#   1. on-policy rollouts of ITER_LIMIT GSM8K training prompts (a new window each round) with the round's
-#      start drafter (round 1: the treespark stage's drafter; then round r-1's seed-0 treespark drafter),
-#      every verified tree logged;
+#   1. on-policy trees of the round's start drafter (round 1: the treespark stage's drafter; then round r-1's
+#      seed-0 treespark drafter), treespark method at BUDGET: at ITER_TEMP=0 (and REPLAY=1) replayed from every
+#      plain train rollout of the ONPOLICY sets (whole budget every round); otherwise on-policy rollouts of
+#      ITER_LIMIT GSM8K training prompts (a new window each round), every verified tree logged;
 #   2. for each seed in ITER_SEEDS, ITER_STEPS steps of `treespark` training from the start drafter at peak
 #      learning rate ITER_LR on those trees plus every plain training rollout (GSM8K's too), and the control:
 #      the same steps, data, seed and start with every tree term off;
@@ -156,10 +157,10 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
 # the gold chain has; at ITER_TEMP > 0 (verified by the treespark method's sampling rule) it also sees the rows
 # of the branches the target's own draws reach (losses/tree.py, docs/training.md).
 # Outputs: $DATA/iter-r<r> (ITER_TEMP=0; iter-t<T>-r<r> at temperature T) holding
-# {onpolicy,<variant>-s<seed>/{drafter,eval.json,bench.json}}, and round 1's start/{eval.json,bench.json}; a
+# {onpolicy or replay-<set>,<variant>-s<seed>/{drafter,eval.json,bench.json}}, and round 1's start/{eval.json,bench.json}; a
 # score already written is kept. The RESULTS.md table is rendered from them (experiments/results_iterate.py).
 ROUNDS=${ROUNDS:-2}
-ITER_LIMIT=${ITER_LIMIT:-128}   # GSM8K training prompts per round's on-policy rollouts
+ITER_LIMIT=${ITER_LIMIT:-128}   # GSM8K training prompts per round's on-policy rollouts (when not replayed)
 ITER_STEPS=${ITER_STEPS:-600}   # steps per round and variant
 ITER_SEEDS=${ITER_SEEDS:-"0 1"}
 ITER_BENCH=${ITER_BENCH:-16}    # GSM8K eval prompts of the online τ
@@ -180,7 +181,15 @@ stage_iterate() {
     local dir="$DATA/iter-r$r"
     if [ "$ITER_TEMP" != 0 ]; then dir="$DATA/iter-t$ITER_TEMP-r$r"; fi
     mkdir -p "$dir"
-    $PY - "$dir/prompts.jsonl" "$(( (r - 1) * ITER_LIMIT ))" "$ITER_LIMIT" <<'PY'
+    local trees=""
+    if [ "$ITER_TEMP" = 0 ] && [ "$REPLAY" = 1 ]; then  # every plain train rollout of the ONPOLICY sets, replayed
+      for s in $ONPOLICY; do
+        $T replay --rollouts "$DATA/rollouts-$s-train" --drafter "$start" --method treespark --budget "$BUDGET" \
+          --batch-size 8 --out "$dir/replay-$s"
+        trees="$trees $dir/replay-$s"
+      done
+    else
+      $PY - "$dir/prompts.jsonl" "$(( (r - 1) * ITER_LIMIT ))" "$ITER_LIMIT" <<'PY'
 import json, sys
 from pathlib import Path
 from treespark_jax.prompts.load import load_prompts
@@ -190,8 +199,10 @@ if not out.exists():  # the round's window of GSM8K training prompts, as written
     recs = load_prompts("gsm8k", "train")[offset: offset + limit]
     out.write_text("".join(json.dumps({"id": r.id, "prompt": r.turns[0]}) + "\n" for r in recs))
 PY
-    $T rollout --prompts "$dir/prompts.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
-      --drafter "$start" --method treespark --budget "$BUDGET" --temperature "$ITER_TEMP" --out "$dir/onpolicy"
+      $T rollout --prompts "$dir/prompts.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
+        --drafter "$start" --method treespark --budget "$BUDGET" --temperature "$ITER_TEMP" --out "$dir/onpolicy"
+      trees="$dir/onpolicy"
+    fi
     if [ "$r" = 1 ]; then mkdir -p "$dir/start" && iter_score "$start" "$dir/start"; fi  # later: round r-1's
     local others
     others=$(train_plain)
@@ -199,7 +210,7 @@ PY
       for variant in treespark control; do
         local run="$dir/$variant-s$seed" weights=""
         [ "$variant" = control ] && weights="--loss-weights $NO_TREE_TERMS"
-        $T train --rollouts "$dir/onpolicy" $others --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
+        $T train --rollouts $trees $others --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
           --init "$start" --seed "$seed" --lr "$ITER_LR" \
           --steps "$ITER_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
           --log-every 10 $weights --out "$run"
