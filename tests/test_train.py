@@ -394,6 +394,50 @@ def test_treespark_loss_trains_on_logged_trees(tmp_path, capsys, target):
     assert meta["drafter"]["edge_head"] and meta["training"]["loss"] == "treespark"
 
 
+def test_mix_weights_draw_each_directory_in_proportion(tmp_path, capsys, target):
+    """--mix-weights 2,1,1 over directories of 40, 8 and 8 records: every batch of 4 holds 2, 1 and 1
+    of them, whatever their sizes, each directory's records in turn; one stream per seed. A count
+    other than one per directory, a non-positive weight, or --tree-share beside it are refused
+    before the run directory is made; the weights are recorded and a resume must repeat them."""
+    dirs = [write_tiny_rollouts(target, tmp_path / "big", records=40, seed=1),
+            write_tiny_rollouts(target, tmp_path / "a", records=8, seed=2),
+            write_tiny_rollouts(target, tmp_path / "b", records=8, seed=3)]
+    rs = open_rollouts(dirs)
+    cfg = TrainConfig(batch=4, seq_len=40, anchors=3, mix_weights=(2, 1, 1))
+    ds = train_dataset(rs, cfg)
+    owner = {rs[i]["tokens"].tobytes(): k for k, idx in enumerate(rs.directory_records) for i in idx}
+    assert len(owner) == 56  # the three directories' records are told apart by their tokens
+    drawn = [[owner[np.asarray(ds[s].tokens[r][:ds[s].lengths[r]]).tobytes()] for r in range(4)] for s in range(16)]
+    assert [sorted(d) for d in drawn] == [[0, 0, 1, 2]] * 16  # uniform draws would give 40/56 from the first
+    seen = {k: {np.asarray(ds[s].tokens[r]).tobytes() for s in range(16) for r in range(4) if drawn[s][r] == k}
+            for k in (1, 2)}
+    assert len(seen[1]) == len(seen[2]) == 8  # 16 draws each: every record of the small directories, in turn
+    again = train_dataset(rs, cfg)
+    assert all(np.array_equal(ds[s].tokens, again[s].tokens) for s in range(16))
+    with pytest.raises(RolloutError, match="gives 2 weights for 3 rollout directories"):
+        train_dataset(rs, TrainConfig(batch=4, seq_len=40, anchors=3, mix_weights=(2, 1)))
+    out = tmp_path / "run"
+    for weights, said in (("2,1", "--mix-weights gives 2 weights for 3 rollout directories"),
+                          ("2,0,1", "must be positive finite numbers"),
+                          ("2,x,1", "--mix-weights")):
+        assert main(_cli("--rollouts", *dirs, "--loss", "dspark", "--mix-weights", weights, "--out", out)) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1 and not out.exists(), err
+    assert main(_cli("--rollouts", *dirs, "--loss", "dspark", "--mix-weights", "2,1,1", "--tree-share", "0.5",
+                     "--out", out)) == 2
+    err = capsys.readouterr().err
+    assert "both set how batches draw from the rollout directories" in err and not out.exists(), err
+    assert main(_cli("--rollouts", *dirs, "--loss", "dspark", "--mix-weights", "2,1,1", "--out", out,
+                     "--steps", "2")) == 0
+    assert json.loads((out / "run.json").read_text())["train"]["mix_weights"] == [2.0, 1.0, 1.0]
+    assert main(_cli("--rollouts", *dirs, "--loss", "dspark", "--mix-weights", "2,1,1", "--out", out,
+                     "--steps", "2")) == 0  # resumed: finished
+    capsys.readouterr()
+    assert main(_cli("--rollouts", *dirs, "--loss", "dspark", "--mix-weights", "1,1,1", "--out", out,
+                     "--steps", "2")) == 2
+    assert "--mix-weights" in capsys.readouterr().err
+
+
 MULTIDEVICE_SCRIPT = textwrap.dedent("""
     import json, sys
     from pathlib import Path

@@ -327,6 +327,11 @@ class TrainConfig:
         carry logged trees, the rest from the others (``grain.MapDataset.mix``; ``treespark``
         loss); ``None`` draws uniformly over all records, so trees come in proportion to their
         records.
+      mix_weights: one positive sampling weight per rollout directory, in the order given: every
+        batch draws each directory's records in proportion to its weight (``grain.MapDataset.mix``
+        of one stream per directory, each reshuffled every epoch); ``None`` draws uniformly over all
+        records, so a directory comes in proportion to its size. Not with ``tree_share``, which
+        it generalises (give the directories with trees their share here).
       save_every: checkpoint interval in steps (the last step is always saved).
       keep: checkpoints kept (the newest).
       log_every: metrics interval in steps (averaged over the interval; the last step is logged).
@@ -347,6 +352,7 @@ class TrainConfig:
     anchors: int = 8
     trees: int = 4
     tree_share: float | None = None
+    mix_weights: tuple[float, ...] | None = None
     save_every: int = 200
     keep: int = 3
     log_every: int = 10
@@ -361,6 +367,14 @@ class TrainConfig:
             raise ValueError(f"trees={self.trees} logged trees per sequence must be 0 or more.")
         if self.tree_share is not None and not 0 < self.tree_share < 1:
             raise ValueError(f"tree_share={self.tree_share} must lie strictly between 0 and 1.")
+        if self.mix_weights is not None:
+            object.__setattr__(self, "mix_weights", tuple(float(w) for w in self.mix_weights))
+            if not self.mix_weights or not all(0 < w < float("inf") for w in self.mix_weights):
+                raise ValueError(f"mix_weights={','.join(map(str, self.mix_weights))} must be positive finite "
+                                 "numbers, one per rollout directory.")
+            if self.tree_share is not None:
+                raise ValueError(f"mix_weights and tree_share={self.tree_share} both set how batches draw from the "
+                                 "rollout directories; give the directories with trees their share in mix_weights.")
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive.")

@@ -92,6 +92,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--tree-share", type=float, default=None, metavar="F",
                     help="treespark loss: draw this fraction of every batch's sequences from the rollout directories "
                          "with logged trees and the rest from the plain ones (default: uniformly over all records)")
+    tr.add_argument("--mix-weights", default=None, metavar="W,...",
+                    help="one sampling weight per --rollouts directory, in their order: batches draw each "
+                         "directory's records in proportion to its weight (default: uniformly over all records); "
+                         "not with --tree-share")
     tr.add_argument("--block-size", type=int, default=None, help="drafter block size γ (default: 8)")
     tr.add_argument("--drafter-layers", type=int, default=None, help="drafter decoder layers, 1-5 (default: 1)")
     tr.add_argument("--draft-vocab", type=int, default=None, metavar="K",
@@ -204,6 +208,8 @@ def run(args: argparse.Namespace) -> None:
     settings = dict(steps=args.steps, batch=args.batch_size, lr=args.lr, warmup=args.warmup,
                     min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
                     seq_len=args.seq_len, anchors=args.anchors, trees=args.trees, tree_share=args.tree_share,
+                    mix_weights=None if args.mix_weights is None else tuple(comma_list("--mix-weights",
+                                                                                       args.mix_weights, float)),
                     save_every=args.save_every, keep=args.keep, log_every=args.log_every)
     with _named_by_flag(settings):
         cfg = TrainConfig(**settings)

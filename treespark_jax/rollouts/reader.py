@@ -43,7 +43,8 @@ class RolloutSet:
     given order, shards in manifest order) as the dict described in
     :mod:`~treespark_jax.rollouts.records` (read-only numpy arrays). ``trees`` says whether any
     directory holds logged trees (on-policy rollouts), ``tree_records`` (int64, ascending) which
-    records come from such directories. It satisfies Grain's
+    records come from such directories, ``directory_records[k]`` (int64, ascending) the records of
+    directory ``k``. It satisfies Grain's
     ``RandomAccessDataSource`` protocol (``__len__``, ``__getitem__``, ``__getitems__``), so
     ``grain.MapDataset.source(rs)`` shuffles, shards per process and batches it; it pickles
     for Grain's worker processes.
@@ -101,9 +102,10 @@ class RolloutSet:
         self._starts = np.cumsum([0] + [s.records for s in self._shards])
         self._source = None
         counts = [sum(s["records"] for s in m["shards"]) for m in self.manifests]
-        self.tree_records = np.concatenate([np.arange(start, start + n, dtype=np.int64)
-                                            for start, n, m in zip(np.cumsum([0] + counts), counts, self.manifests)
-                                            if m.get("trees")] or [np.zeros(0, np.int64)])
+        self.directory_records = [np.arange(start, start + n, dtype=np.int64)
+                                  for start, n in zip(np.cumsum([0] + counts), counts)]
+        self.tree_records = np.concatenate([r for r, m in zip(self.directory_records, self.manifests) if m.get("trees")]
+                                           or [np.zeros(0, np.int64)])
         self.trees = len(self.tree_records) > 0
 
     @property

@@ -6,7 +6,8 @@ single integer)::
     source(RolloutSet) → shuffle(seed) → repeat()      record e of the endless stream
                                                        (a new permutation every epoch; with
                                                        tree_share, mix() of two such streams:
-                                                       records with trees, and the rest)
+                                                       records with trees, and the rest; with
+                                                       mix_weights, of one per directory)
       → map_with_index: (e, record)                     e names the record's anchor draws
       → batch(batch / processes, batch_fn=…)            one process's rows of one step
       → [process_index :: process_count]                this process's share of every step
@@ -35,7 +36,7 @@ from treespark_jax.rollouts.reader import RolloutSet
 from treespark_jax.rollouts.records import RolloutError
 from treespark_jax.train.batches import TokenBatch, TrainBatch, batch_from_records, token_batch
 
-__all__ = ["check_tree_share", "data_iterator", "train_dataset", "tree_layout"]
+__all__ = ["check_mix_weights", "check_tree_share", "data_iterator", "train_dataset", "tree_layout"]
 
 _ANCHOR_STREAM = 1  # purpose tag of the anchor/tree draws (``default_rng([seed, tag, e])``)
 
@@ -120,17 +121,36 @@ def check_tree_share(rollouts: RolloutSet, cfg: TrainConfig) -> None:
                            "drop --tree-share or add the other kind of rollout directory.")
 
 
+def check_mix_weights(rollouts: RolloutSet, cfg: TrainConfig) -> None:
+    """Checks that ``cfg.mix_weights`` (if set) gives one weight per rollout directory.
+
+    Raises:
+      RolloutError: another count (one sentence).
+    """
+    if cfg.mix_weights is not None and len(cfg.mix_weights) != len(rollouts.dirs):
+        raise RolloutError(f"--mix-weights gives {len(cfg.mix_weights)} weight"
+                           f"{'' if len(cfg.mix_weights) == 1 else 's'} for {len(rollouts.dirs)} rollout "
+                           "directories; give one per --rollouts directory, in their order.")
+
+
 def _records(rollouts: RolloutSet, cfg: TrainConfig) -> grain.MapDataset:
     """The endless stream of records, every epoch a new permutation; with ``cfg.tree_share`` two
-    such streams, of the records with trees and of the rest, mixed in those proportions."""
-    if cfg.tree_share is None:
+    such streams, of the records with trees and of the rest, mixed in those proportions; with
+    ``cfg.mix_weights`` one per directory, mixed in the weights' proportions."""
+    if cfg.tree_share is None and cfg.mix_weights is None:
         return grain.MapDataset.source(rollouts).shuffle(seed=cfg.seed).repeat()
-    check_tree_share(rollouts, cfg)
-    with_trees = np.zeros(len(rollouts), bool)
-    with_trees[rollouts.tree_records] = True
-    streams = [grain.MapDataset.source(_Records(rollouts, np.flatnonzero(part))).shuffle(seed=cfg.seed + k).repeat()
-               for k, part in enumerate((with_trees, ~with_trees))]
-    return grain.MapDataset.mix(streams, [cfg.tree_share, 1 - cfg.tree_share])
+    if cfg.mix_weights is not None:
+        check_mix_weights(rollouts, cfg)
+        parts, weights = rollouts.directory_records, list(cfg.mix_weights)
+    else:
+        check_tree_share(rollouts, cfg)
+        with_trees = np.zeros(len(rollouts), bool)
+        with_trees[rollouts.tree_records] = True
+        parts, weights = [np.flatnonzero(with_trees), np.flatnonzero(~with_trees)], [cfg.tree_share,
+                                                                                     1 - cfg.tree_share]
+    streams = [grain.MapDataset.source(_Records(rollouts, part)).shuffle(seed=cfg.seed + k).repeat()
+               for k, part in enumerate(parts)]
+    return grain.MapDataset.mix(streams, weights)
 
 
 def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, rule: str | None = None,
@@ -140,7 +160,7 @@ def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, r
 
     Args:
       rollouts: the records.
-      cfg: ``seed``, ``batch`` (global), ``seq_len``, ``anchors``, ``tree_share``.
+      cfg: ``seed``, ``batch`` (global), ``seq_len``, ``anchors``, ``tree_share``, ``mix_weights``.
       n_trees: logged trees per sequence (0 unless the loss uses trees).
       rule: the trees' verify rule, checked per record (``None`` = no check).
       budget: N of the logged trees (the width of empty tree slots of plain records).
@@ -154,7 +174,8 @@ def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, r
 
     Raises:
       ValueError: a global batch that does not split evenly over the processes.
-      RolloutError: a ``tree_share`` with records all with trees or all without.
+      RolloutError: a ``tree_share`` with records all with trees or all without, ``mix_weights`` not one
+        per directory.
     """
     p = jax.process_index() if process_index is None else process_index
     n = jax.process_count() if process_count is None else process_count

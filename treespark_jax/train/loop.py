@@ -71,7 +71,8 @@ from treespark_jax.rollouts.reader import RolloutSet, open_rollouts
 from treespark_jax.rollouts.store import read_manifest
 from treespark_jax.sharding import Partitioner
 from treespark_jax.train.checkpointing import TrainCheckpoints
-from treespark_jax.train.data import check_tree_share, data_iterator, no_trees_error, train_dataset, tree_layout
+from treespark_jax.train.data import (check_mix_weights, check_tree_share, data_iterator, no_trees_error, train_dataset,
+                                      tree_layout)
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
 from treespark_jax.train.on_policy import OnPolicySource, training_prompts
@@ -88,7 +89,8 @@ _FREE = ("save_every", "keep", "log_every")
 # What a run.json written without a key meant (offline runs record no "online"; runs before --top-p
 # and --tree-share no "on_policy" "top_p" or "train" "tree_share"); and the keys whose difference is
 # named first, as the one the user changed (another loss changes the drafter's heads too).
-_ABSENT = {"online": False, ("on_policy", "top_p"): 1.0, ("train", "tree_share"): None}
+_ABSENT = {"online": False, ("on_policy", "top_p"): 1.0, ("train", "tree_share"): None,
+           ("train", "mix_weights"): None}
 _FIRST = ("loss", "online", "rollouts")  # before the settings they imply (draft vocabulary, records)
 
 
@@ -318,6 +320,9 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
                          "the treespark loss offline; "
                          + ("online every decoded sequence carries trees." if on_policy is not None
                             else f"the {loss} loss reads no trees."))
+    if cfg.mix_weights is not None and on_policy is not None:
+        raise ValueError(f"--mix-weights {','.join(map(str, cfg.mix_weights))} weighs rollout directories; online "
+                         f"decoding of --prompts {on_policy.prompts} reads none.")
     if on_policy is not None and loss == "treespark" and on_policy.top_p < 1:
         raise ValueError(f"--top-p {on_policy.top_p} cannot decode for the treespark loss: its trees are logged at "
                          "top-p 1 only (the tree losses do not model the nucleus); drop --top-p or use another loss.")
@@ -350,6 +355,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     rs = None if on_policy is not None else open_rollouts(dirs, expect=binding)
     if rs is not None:  # before the run directory is made
         check_tree_share(rs, cfg)
+        check_mix_weights(rs, cfg)
     jdtype = getattr(jax.numpy, dtype)
     drafter, vocab_ids = _drafter(loss, loaded, binding, rs, init, init_layers, drafter_fields or {}, jdtype,
                                   cfg.seed)
