@@ -27,7 +27,8 @@ from treespark_jax.prompts.load import load_prompts
 from treespark_jax.rollouts.reader import open_rollouts
 from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
 from treespark_jax.train.batches import batch_from_records
-from treespark_jax.train.replay import replay_trees, write_replay
+from treespark_jax.rollouts.records import RolloutError
+from treespark_jax.train.replay import open_source, replay_trees, write_replay
 from treespark_jax.train.step import TrainStep, init_state
 
 from test_rollouts import PROMPTS, write_tiny_target
@@ -65,10 +66,15 @@ def _records(directory) -> dict[str, dict]:
     return {rs[i]["prompt_id"]: rs[i] for i in range(len(rs))}
 
 
+def _source(setup, name: str):
+    return open_source(setup["root"] / name, expect=TargetBinding.of(setup["target"]),
+                       layer_ids=setup["drafter"].cfg.target_layer_ids)
+
+
 def _replayed(setup) -> dict[str, dict]:
     out = setup["root"] / "replayed"
     if not out.exists():
-        write_replay(setup["root"] / "plain", out, setup["drafter"], setup["head"], setup["tree"],
+        write_replay(_source(setup, "plain"), out, setup["drafter"], setup["head"], setup["tree"],
                      drafter_id=str(setup["drafter_path"]), method="pctree", batch_size=3, progress=False)
     return _records(out)
 
@@ -201,10 +207,15 @@ def test_rows_off_the_accepted_path_change_no_greedy_tree_loss(setup):
     assert loss([noisy(r, on_path=True) for r in records])[0] != base  # the rows on the path are read
 
 
-def test_replay_refuses_sampled_or_on_policy_rollouts_and_long_records(setup, tmp_path):
+def test_replay_refuses_sampled_or_on_policy_rollouts_another_target_and_long_records(setup, tmp_path):
     root = setup["root"]
-    with pytest.raises(ValueError, match="greedy rollouts without trees"):
-        write_replay(root / "onpolicy", tmp_path / "x", setup["drafter"], setup["head"], setup["tree"],
+    with pytest.raises(ValueError, match="greedy rollouts without trees to replay them, not on-policy ones"):
+        _source(setup, "onpolicy")
+    other = TargetBinding.of(load_target(str(write_tiny_target(tmp_path / "other", seed=1))))
+    with pytest.raises(RolloutError, match="but the expected target"):
+        open_source(root / "plain", expect=other, layer_ids=setup["drafter"].cfg.target_layer_ids)
+    with pytest.raises(ValueError, match="is its source"):
+        write_replay(_source(setup, "plain"), root / "plain", setup["drafter"], setup["head"], setup["tree"],
                      drafter_id="d", method="pctree", progress=False)
     rec = next(iter(_records(root / "plain").values()))
     with pytest.raises(ValueError, match="exceeds seq_len=8"):
@@ -212,6 +223,21 @@ def test_replay_refuses_sampled_or_on_policy_rollouts_and_long_records(setup, tm
     with pytest.raises(ValueError, match="temperature 0"):
         replay_trees(setup["drafter"], setup["head"], setup["tree"], [{**rec, "temp": 1.0}], seq_len=256)
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").glob("shard-*"))
+
+
+def test_training_on_trees_of_two_budgets_is_refused_before_the_run_directory(setup, tmp_path, capsys):
+    """An on-policy directory of budget 4 beside a replay of budget 3: one sentence naming both,
+    exit 2, no run directory (a later run with the right directories may use the same --out)."""
+    root = setup["root"]
+    tree = speculation("pctree", setup["target"].model, 3, drafter=setup["drafter"]).tree
+    write_replay(_source(setup, "plain"), tmp_path / "b3", setup["drafter"], setup["head"], tree, drafter_id="d",
+                 method="pctree", progress=False)
+    out = tmp_path / "run"
+    assert main(["train", "--rollouts", str(root / "onpolicy"), str(tmp_path / "b3"), "--loss", "treespark",
+                 "--steps", "1", "--batch-size", "2", "--seq-len", "64", "--anchors", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "logged trees have different budgets (4 in " in err and ", 3 in " in err and err.count("\n") == 1, err
+    assert not out.exists()
 
 
 def test_replay_command_resumes_and_refuses_another_budget(setup, tmp_path, capsys):
@@ -231,3 +257,5 @@ def test_replay_command_resumes_and_refuses_another_budget(setup, tmp_path, caps
     assert (tmp_path / "r" / "manifest.json").read_text() == manifest
     assert main([*args[:-2], "--budget", "0", "--out", str(tmp_path / "z")]) == 2
     assert "--budget" in capsys.readouterr().err and not (tmp_path / "z").exists()
+    assert main([*args[:-2], "--out", str(root / "plain")]) == 2
+    assert "is the --rollouts directory" in capsys.readouterr().err

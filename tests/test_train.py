@@ -419,14 +419,16 @@ def test_mix_weights_draw_each_directory_in_proportion(tmp_path, capsys, target)
     out = tmp_path / "run"
     for weights, said in (("2,1", "--mix-weights gives 2 weights for 3 rollout directories"),
                           ("2,0,1", "must be positive finite numbers"),
-                          ("2,x,1", "--mix-weights")):
+                          ("1e-320,1,1", "gives a directory less than 1e-06 of the draws"),
+                          ("2,x,1", "--mix-weights '2,x,1' must be comma-separated numbers")):
         assert main(_cli("--rollouts", *dirs, "--loss", "dspark", "--mix-weights", weights, "--out", out)) == 2
         err = capsys.readouterr().err
         assert said in err and err.count("\n") == 1 and not out.exists(), err
     assert main(_cli("--rollouts", *dirs, "--loss", "dspark", "--mix-weights", "2,1,1", "--tree-share", "0.5",
                      "--out", out)) == 2
     err = capsys.readouterr().err
-    assert "both set how batches draw from the rollout directories" in err and not out.exists(), err
+    assert err.endswith("--tree-share 0.5 cannot be combined with mix weights, which set every directory's share; "
+                        "give the directories with trees their share among the weights.\n") and not out.exists(), err
     assert main(_cli("--rollouts", *dirs, "--loss", "dspark", "--mix-weights", "2,1,1", "--out", out,
                      "--steps", "2")) == 0
     assert json.loads((out / "run.json").read_text())["train"]["mix_weights"] == [2.0, 1.0, 1.0]

@@ -306,6 +306,11 @@ class DrafterConfig:
         return cls(**fields)
 
 
+MIN_MIX_SHARE = 1e-6
+"""Least share of the draws ``TrainConfig.mix_weights`` may give a directory (``grain`` mixes by
+the weights' ratios, which overflow for a vanishing weight)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Drafter training run: batch shape, optimizer and schedule, bookkeeping (DESIGN.md §1.4).
@@ -368,13 +373,17 @@ class TrainConfig:
         if self.tree_share is not None and not 0 < self.tree_share < 1:
             raise ValueError(f"tree_share={self.tree_share} must lie strictly between 0 and 1.")
         if self.mix_weights is not None:
-            object.__setattr__(self, "mix_weights", tuple(float(w) for w in self.mix_weights))
-            if not self.mix_weights or not all(0 < w < float("inf") for w in self.mix_weights):
-                raise ValueError(f"mix_weights={','.join(map(str, self.mix_weights))} must be positive finite "
-                                 "numbers, one per rollout directory.")
+            weights = tuple(float(w) for w in self.mix_weights)
+            object.__setattr__(self, "mix_weights", weights)
+            shown = ",".join(map(str, weights))
+            if not weights or not all(0 < w < float("inf") for w in weights):
+                raise ValueError(f"mix_weights={shown} must be positive finite numbers, one per rollout directory.")
+            if min(weights) < MIN_MIX_SHARE * sum(weights):
+                raise ValueError(f"mix_weights={shown} gives a directory less than {MIN_MIX_SHARE:g} of the draws; "
+                                 "leave that directory out instead.")
             if self.tree_share is not None:
-                raise ValueError(f"mix_weights and tree_share={self.tree_share} both set how batches draw from the "
-                                 "rollout directories; give the directories with trees their share in mix_weights.")
+                raise ValueError(f"tree_share={self.tree_share} cannot be combined with mix weights, which set every "
+                                 "directory's share; give the directories with trees their share among the weights.")
         for name in ("lr", "clip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive.")

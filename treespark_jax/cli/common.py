@@ -135,7 +135,8 @@ def comma_list(flag: str, text: str, cast: Callable[[str], Any] = str) -> list:
     try:
         return [cast(t) for t in items]
     except ValueError:
-        raise ValueError(f"{flag} {text!r} must be comma-separated integers.") from None
+        kind = {int: "integers", float: "numbers"}.get(cast, "values")
+        raise ValueError(f"{flag} {text!r} must be comma-separated {kind}.") from None
 
 
 def check_drafter_path(path: str | None, flag: str = "--drafter") -> None:

@@ -34,9 +34,10 @@ def run(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: ``--budget`` outside 1 … ``MAX_BUDGET``, ``--batch-size`` below 1, ``--drafter random``,
-        an ``--out`` that is a file; the drafter and rollout readers raise it for a bad path, rollouts of
-        another target or layer ids, and ``train.replay.write_replay`` for sampled or on-policy rollouts
-        and an ``--out`` of another run.
+        an ``--out`` that is a file or the ``--rollouts`` directory; before the target loads, the drafter
+        and rollout readers raise it for a bad path and for rollouts of another target or layer ids, and
+        ``train.replay.open_source`` for sampled or on-policy rollouts; ``write_replay`` for an ``--out``
+        of another run.
     """
     from pathlib import Path
 
@@ -44,8 +45,7 @@ def run(args: argparse.Namespace) -> None:
     from treespark_jax.cli.rollout import print_run
     from treespark_jax.drafter.checkpoint import read_meta
     from treespark_jax.drafter.model import TargetHead
-    from treespark_jax.rollouts.store import read_manifest
-    from treespark_jax.train.replay import write_replay
+    from treespark_jax.train.replay import open_source, write_replay
 
     check_at_least(args, budget=1, batch_size=1)
     if args.budget > MAX_BUDGET:
@@ -54,12 +54,14 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("--drafter random (an untrained drafter) drafts nothing worth training on; give a "
                          "checkpoint directory.")
     check_out_dir("--out", args.out)
-    meta = read_meta(args.drafter)  # bad paths fail before the target loads
-    read_manifest(args.rollouts)
+    if Path(args.out).resolve() == Path(args.rollouts).resolve():
+        raise ValueError(f"--out {args.out} is the --rollouts directory; write the replay to another directory.")
+    meta = read_meta(args.drafter)  # bad paths and a source the drafter cannot read fail before the target loads
+    rollouts = open_source(args.rollouts, expect=meta.binding, layer_ids=meta.cfg.target_layer_ids)
     lm = load(meta.binding.name)
     drafter = lm.drafter(args.method, args.drafter)
     tree = lm.speculation(method=args.method, budget=args.budget, drafter=drafter, cost_aware_stop=False,
                           skip_drafting=False).tree
-    run = write_replay(args.rollouts, args.out, drafter, TargetHead.of(lm.target.model, drafter.dtype), tree,
+    run = write_replay(rollouts, args.out, drafter, TargetHead.of(lm.target.model, drafter.dtype), tree,
                        drafter_id=str(Path(args.drafter).resolve()), method=args.method, batch_size=args.batch_size)
     print_run(args.out, run)

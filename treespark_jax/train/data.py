@@ -36,7 +36,7 @@ from treespark_jax.rollouts.reader import RolloutSet
 from treespark_jax.rollouts.records import RolloutError
 from treespark_jax.train.batches import TokenBatch, TrainBatch, batch_from_records, token_batch
 
-__all__ = ["check_mix_weights", "check_tree_share", "data_iterator", "train_dataset", "tree_layout"]
+__all__ = ["check_mix_weights", "check_tree_budgets", "check_tree_share", "data_iterator", "train_dataset", "tree_layout"]
 
 _ANCHOR_STREAM = 1  # purpose tag of the anchor/tree draws (``default_rng([seed, tag, e])``)
 
@@ -59,7 +59,11 @@ def tree_layout(rollouts: RolloutSet) -> tuple[str, int]:
     if not rollouts.trees:
         raise no_trees_error(rollouts.dirs)
     first = next(i for i in range(len(rollouts)) if "trees" in rollouts[i])
-    trees = rollouts[first]["trees"]
+    return tree_layout_of(rollouts[first]["trees"])
+
+
+def tree_layout_of(trees: dict[str, Any]) -> tuple[str, int]:
+    """The verify rule and budget ``N`` of one record's ``trees``."""
     return str(trees["rule"]), int(np.asarray(trees["tokens"]).shape[-1])
 
 
@@ -119,6 +123,21 @@ def check_tree_share(rollouts: RolloutSet, cfg: TrainConfig) -> None:
         raise RolloutError(f"--tree-share {cfg.tree_share} mixes rollouts with logged trees and plain ones, but "
                            f"{'none' if n_trees == 0 else 'all'} of the {len(rollouts)} records carry trees; "
                            "drop --tree-share or add the other kind of rollout directory.")
+
+
+def check_tree_budgets(rollouts: RolloutSet) -> None:
+    """Checks that the directories with logged trees share one tree budget (read from each one's
+    first record; every batch re-checks its records, ``batches.token_batch``).
+
+    Raises:
+      RolloutError: directories of different budgets (one sentence naming them).
+    """
+    budgets = {str(d): tree_layout_of(rollouts[int(idx[0])]["trees"])[1]
+               for d, m, idx in zip(rollouts.dirs, rollouts.manifests, rollouts.directory_records)
+               if m.get("trees") and len(idx)}
+    if len(set(budgets.values())) > 1:
+        raise RolloutError("logged trees have different budgets ("
+                           + ", ".join(f"{b} in {d!r}" for d, b in budgets.items()) + "); train on one budget at a time.")
 
 
 def check_mix_weights(rollouts: RolloutSet, cfg: TrainConfig) -> None:

@@ -71,8 +71,8 @@ from treespark_jax.rollouts.reader import RolloutSet, open_rollouts
 from treespark_jax.rollouts.store import read_manifest
 from treespark_jax.sharding import Partitioner
 from treespark_jax.train.checkpointing import TrainCheckpoints
-from treespark_jax.train.data import (check_mix_weights, check_tree_share, data_iterator, no_trees_error, train_dataset,
-                                      tree_layout)
+from treespark_jax.train.data import (check_mix_weights, check_tree_budgets, check_tree_share, data_iterator,
+                                      no_trees_error, train_dataset, tree_layout)
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab
 from treespark_jax.train.metrics_log import MetricsLog, mean_metrics
 from treespark_jax.train.on_policy import OnPolicySource, training_prompts
@@ -356,6 +356,7 @@ def train(rollouts: str | Path | Sequence[str | Path], loss: str, out: str | Pat
     if rs is not None:  # before the run directory is made
         check_tree_share(rs, cfg)
         check_mix_weights(rs, cfg)
+        check_tree_budgets(rs)
     jdtype = getattr(jax.numpy, dtype)
     drafter, vocab_ids = _drafter(loss, loaded, binding, rs, init, init_layers, drafter_fields or {}, jdtype,
                                   cfg.seed)

@@ -49,14 +49,15 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from treespark_jax.config import TreeConfig
+from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
-from treespark_jax.rollouts.reader import open_rollouts
+from treespark_jax.rollouts.reader import RolloutSet, open_rollouts
 from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, make_record
 from treespark_jax.rollouts.store import RolloutWriter
 from treespark_jax.rollouts.writer import RolloutRun, target_normalisers
 from treespark_jax.train.evaluate import anchor_trees, gold_path_nodes
 
-__all__ = ["replay_trees", "write_replay"]
+__all__ = ["open_source", "replay_trees", "write_replay"]
 
 ANCHOR_CHUNK = 64
 """Anchor positions per record in one drafter call (bounds the ``[B, A, P, K]`` logits)."""
@@ -151,18 +152,37 @@ def _record_trees(record, start: int, length: int, tree, accepted, zero_lse, zer
                        node_lse=node_lse, node_top=node_top, rule="greedy", temperature=0.0)
 
 
-def write_replay(source, out, drafter: BlockDrafter, head: TargetHead, tree_cfg: TreeConfig, *, drafter_id: str,
-                 method: str, batch_size: int = 8, progress: bool = True) -> RolloutRun:
-    """Writes (or resumes) an on-policy rollout directory replayed from the greedy rollout ``source``.
+def open_source(source, *, expect: TargetBinding, layer_ids: Sequence[int]) -> RolloutSet:
+    """Opens the rollout directory a replay reads, checked (before any model loads, from the
+    drafter's ``drafter.json``: ``DrafterMeta.binding`` and ``cfg.target_layer_ids``).
 
-    Every record of ``source`` is copied with the trees of ``replay_trees`` added, ``batch_size``
-    records per shard, in ``source``'s order. The manifest's identity is the source's with the
-    method, budget and drafter of the replay and ``replay``: the source directory, so a resumed
-    run must repeat them (``rollouts.store.RolloutWriter``).
+    Raises:
+      RolloutError: a missing, damaged or foreign directory, rollouts of another target than
+        ``expect`` or of other feature layers than ``layer_ids`` (``rollouts.reader``).
+      ValueError: rollouts sampled at a temperature above 0, or already holding trees.
+    """
+    rollouts = open_rollouts([source], expect=expect, layer_ids=layer_ids)
+    manifest = rollouts.manifests[0]
+    temperature = manifest["identity"].get(STORED_KEYS["temperature"])
+    if manifest["trees"] or temperature != 0:
+        raise ValueError(f"{source} must hold greedy rollouts without trees to replay them, not "
+                         + ("on-policy ones." if manifest["trees"] else f"rollouts at temperature {temperature}."))
+    return rollouts
+
+
+def write_replay(rollouts: RolloutSet, out, drafter: BlockDrafter, head: TargetHead, tree_cfg: TreeConfig, *,
+                 drafter_id: str, method: str, batch_size: int = 8, progress: bool = True) -> RolloutRun:
+    """Writes (or resumes) an on-policy rollout directory replayed from greedy rollouts.
+
+    Every record of ``rollouts`` is copied with the trees of ``replay_trees`` added, ``batch_size``
+    records per shard, in their order (a source still being written is replayed as far as it has
+    records; a later run adds the rest). The manifest's identity is the source's with the method,
+    budget and drafter of the replay and ``replay``: the source directory, so a resumed run must
+    repeat them (``rollouts.store.RolloutWriter``).
 
     Args:
-      source: a finished greedy rollout directory without trees (``treespark rollout``).
-      out: the output directory (created, or resumed when it holds a manifest).
+      rollouts: the source, one greedy rollout directory without trees (``open_source``).
+      out: the output directory (created, or resumed when it holds a manifest); not the source.
       drafter, head, tree_cfg: as in ``replay_trees``.
       drafter_id: the drafter's identity in the manifest (its resolved checkpoint path).
       method: the method whose tree ``tree_cfg`` is (recorded).
@@ -174,19 +194,15 @@ def write_replay(source, out, drafter: BlockDrafter, head: TargetHead, tree_cfg:
       A ``RolloutRun`` (``generate_s``: seconds replaying).
 
     Raises:
-      RolloutError: a damaged ``source``, layer ids other than the drafter's, or an ``out`` of
-        another run (``RolloutWriter``).
-      ValueError: a ``source`` sampled at a temperature above 0 or already holding trees, or a
-        ``batch_size`` below 1.
+      RolloutError: an ``out`` of another run (``RolloutWriter``).
+      ValueError: ``out`` is the source directory, or a ``batch_size`` below 1.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be at least 1.")
-    rollouts = open_rollouts([source], layer_ids=drafter.cfg.target_layer_ids)
+    source = rollouts.dirs[0]
+    if Path(out).resolve() == source.resolve():
+        raise ValueError(f"the replay's output directory {out} is its source; write it to another directory.")
     manifest = rollouts.manifests[0]
-    temperature = manifest["identity"].get(STORED_KEYS["temperature"])
-    if manifest["trees"] or temperature != 0:
-        raise ValueError(f"{source} must hold greedy rollouts without trees to replay them, not "
-                         + ("on-policy ones." if manifest["trees"] else f"rollouts at temperature {temperature}."))
     identity = {**manifest["identity"], "method": method, "budget": tree_cfg.budget, "drafter": drafter_id,
                 "replay": str(Path(source).resolve())}
     header = {"target": manifest["target"], "layer_ids": manifest["layer_ids"], "d_model": manifest["d_model"],
