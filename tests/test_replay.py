@@ -28,7 +28,7 @@ from treespark_jax.rollouts.reader import open_rollouts
 from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
 from treespark_jax.train.batches import batch_from_records
 from treespark_jax.rollouts.records import RolloutError
-from treespark_jax.train.replay import open_source, replay_trees, write_replay
+from treespark_jax.train.replay import open_source, replay_trees, replayed_tau, write_replay
 from treespark_jax.train.step import TrainStep, init_state
 
 from test_rollouts import PROMPTS, write_tiny_target
@@ -151,6 +151,11 @@ def test_replayed_trees_follow_the_on_policy_rollout_of_the_same_drafter(setup):
     ones, so near-tied candidates of a random drafter's flat distributions can swap (here 5 of 91
     rounds, none of them on an accepted path)."""
     onpolicy, replayed = _records(setup["root"] / "onpolicy"), _replayed(setup)
+    # replayed τ (eval-drafter's): the on-policy rollout's committed tokens per round
+    lengths = np.concatenate([rec["trees"]["accepted"].sum(1) for rec in onpolicy.values()])
+    tau = replayed_tau(setup["drafter"], setup["head"], setup["tree"], _source(setup, "plain"), batch_size=3)
+    assert (tau["rounds"], tau["records"]) == (len(lengths), len(onpolicy))
+    assert tau["tau"] == pytest.approx(float(np.mean(lengths + 1)), rel=1e-12)
     same = rounds = 0
     for pid, rec in onpolicy.items():
         np.testing.assert_array_equal(rec["tokens"], replayed[pid]["tokens"])

@@ -446,6 +446,8 @@ def test_cli_eval_drafter_reports_offline_chain_and_tree_tau(tmp_path, baseline,
     assert result["blocks"] > 0 and 1 <= result["chain_tau"] <= 5 and 1 <= result["tree_tau"] <= 5
     out_text = capsys.readouterr().out
     assert len(result["alpha"]) == 4 and "tree τ" in out_text and "given the gold prefix)" in out_text
+    # replayed τ: every round of greedy decoding along each of the 4 records (train.replay.replayed_tau)
+    assert "replayed τ" in out_text and 1 <= result["replayed_tau"] <= 5 and result["rounds"] >= 4
     # Edge calibration: every accepted edge is a node of the gold prefixes behind tree τ.
     accepted = np.asarray(result["calibration"]["accepted"])
     assert accepted.shape == (4, result["calibration"]["bins"])

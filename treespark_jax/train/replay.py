@@ -57,7 +57,7 @@ from treespark_jax.rollouts.store import RolloutWriter
 from treespark_jax.rollouts.writer import RolloutRun, target_normalisers
 from treespark_jax.train.evaluate import anchor_trees, gold_path_nodes
 
-__all__ = ["open_source", "replay_trees", "write_replay"]
+__all__ = ["open_source", "padded_length", "replay_trees", "replayed_tau", "write_replay"]
 
 ANCHOR_CHUNK = 64
 """Anchor positions per record in one drafter call (bounds the ``[B, A, P, K]`` logits)."""
@@ -152,6 +152,41 @@ def _record_trees(record, start: int, length: int, tree, accepted, zero_lse, zer
                        node_lse=node_lse, node_top=node_top, rule="greedy", temperature=0.0)
 
 
+def replayed_tau(drafter: BlockDrafter, head: TargetHead, tree_cfg: TreeConfig, rollouts: RolloutSet, *,
+                 batch_size: int = 8) -> dict:
+    """Greedy decoding's τ with ``drafter`` at ``tree_cfg``'s whole budget, from greedy rollouts alone.
+
+    Every record is replayed (``replay_trees``) and τ is committed tokens per round, ``mean(L + 1)``
+    over all rounds: what ``treespark bench --no-skip-drafting --no-cost-aware-stop`` measures on
+    the same prompts and ``max_new_tokens``, up to near-ties (module docstring). Unlike the mean
+    of ``1 + L`` over uniformly drawn anchors (``evaluate_drafter``'s tree τ), it weighs each
+    stretch of text by the rounds decoding spends on it, so easy stretches, crossed in few long
+    rounds, count less: it is never above that mean in expectation, and on this project's
+    drafters it is 0.3–0.4 lower (docs/training.md).
+
+    Returns:
+      ``{"tau", "rounds", "records"}``.
+
+    Raises:
+      ValueError: as ``replay_trees`` (a record sampled at a temperature above 0).
+    """
+    accepted = []
+    for at in range(0, len(rollouts), batch_size):
+        records = [rollouts[i] for i in range(at, min(at + batch_size, len(rollouts)))]
+        for trees in replay_trees(drafter, head, tree_cfg, records, seq_len=padded_length(records)):
+            accepted.append(trees.accepted.sum(1))
+    lengths = np.concatenate(accepted)
+    return {"tau": float(np.mean(lengths + 1)) if len(lengths) else None, "rounds": int(len(lengths)),
+            "records": len(rollouts)}
+
+
+def padded_length(records: Sequence[dict[str, Any]]) -> int:
+    """The sequence length a drafter call pads ``records`` to: a power of two of at least 64 tokens
+    (one compiled program per length)."""
+    longest = max(len(r["tokens"]) for r in records)
+    return max(64, 1 << (longest - 1).bit_length())
+
+
 def open_source(source, *, expect: TargetBinding, layer_ids: Sequence[int]) -> RolloutSet:
     """Opens the rollout directory a replay reads, checked (before any model loads, from the
     drafter's ``drafter.json``: ``DrafterMeta.binding`` and ``cfg.target_layer_ids``).
@@ -186,8 +221,7 @@ def write_replay(rollouts: RolloutSet, out, drafter: BlockDrafter, head: TargetH
       drafter, head, tree_cfg: as in ``replay_trees``.
       drafter_id: the drafter's identity in the manifest (its resolved checkpoint path).
       method: the method whose tree ``tree_cfg`` is (recorded).
-      batch_size: records per drafter call and per shard (a call pads them to a power-of-two length
-        of at least 64 tokens: one compiled program per length).
+      batch_size: records per drafter call and per shard (padded as ``padded_length`` says).
       progress: show a tqdm progress bar (records).
 
     Returns:
@@ -216,8 +250,7 @@ def write_replay(rollouts: RolloutSet, out, drafter: BlockDrafter, head: TargetH
             for at in range(0, len(todo), batch_size):
                 records = [rollouts[i] for i in todo[at: at + batch_size]]
                 t0 = time.perf_counter()
-                longest = max(len(r["tokens"]) for r in records)
-                trees = replay_trees(drafter, head, tree_cfg, records, seq_len=max(64, 1 << (longest - 1).bit_length()))
+                trees = replay_trees(drafter, head, tree_cfg, records, seq_len=padded_length(records))
                 run.generate_s += time.perf_counter() - t0
                 t1 = time.perf_counter()
                 entry = writer.write_shard([_with_trees(r, t) for r, t in zip(records, trees)])
