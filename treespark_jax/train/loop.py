@@ -86,9 +86,10 @@ __all__ = ["TrainResult", "train"]
 RUN_FILE = "run.json"
 # Bookkeeping that may change between a run and its resume (the rest must match).
 _FREE = ("save_every", "keep", "log_every")
-# What a run.json written without a key meant (offline runs record no "online"; runs before --top-p
-# and --tree-share/--mix-weights no "on_policy" "top_p" or "train" "tree_share"/"mix_weights"); and the keys whose difference is
-# named first, as the one the user changed (another loss changes the drafter's heads too).
+# What a run.json written without a key meant (offline runs record no "online"; runs before --top-p,
+# --tree-share and --mix-weights no "on_policy" "top_p", "train" "tree_share" or "mix_weights"); and the
+# keys whose difference is named first, as the one the user changed (another loss changes the drafter's
+# heads too).
 _ABSENT = {"online": False, ("on_policy", "top_p"): 1.0, ("train", "tree_share"): None,
            ("train", "mix_weights"): None}
 _FIRST = ("loss", "online", "rollouts")  # before the settings they imply (draft vocabulary, records)
