@@ -36,7 +36,8 @@ from treespark_jax.rollouts.reader import RolloutSet
 from treespark_jax.rollouts.records import RolloutError
 from treespark_jax.train.batches import TokenBatch, TrainBatch, batch_from_records, token_batch
 
-__all__ = ["check_mix_weights", "check_tree_budgets", "check_tree_share", "data_iterator", "train_dataset", "tree_layout"]
+__all__ = ["check_mix_weights", "check_tree_budgets", "check_tree_share", "data_iterator", "train_dataset",
+           "tree_layout"]
 
 _ANCHOR_STREAM = 1  # purpose tag of the anchor/tree draws (``default_rng([seed, tag, e])``)
 
@@ -136,8 +137,8 @@ def check_tree_budgets(rollouts: RolloutSet) -> None:
                for d, m, idx in zip(rollouts.dirs, rollouts.manifests, rollouts.directory_records)
                if m.get("trees") and len(idx)}
     if len(set(budgets.values())) > 1:
-        raise RolloutError("logged trees have different budgets ("
-                           + ", ".join(f"{b} in {d!r}" for d, b in budgets.items()) + "); train on one budget at a time.")
+        listed = ", ".join(f"{b} in {d!r}" for d, b in budgets.items())
+        raise RolloutError(f"logged trees have different budgets ({listed}); train on one budget at a time.")
 
 
 def check_mix_weights(rollouts: RolloutSet, cfg: TrainConfig) -> None:
