@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"tree τ needs greedy (temperature 0) rollouts, not temperatures {sorted(temps)}; "
                              "pass --budget 0.")
         tree = lm.speculation(method=args.method, budget=args.budget, drafter=drafter, builder=args.builder).tree
-    result = evaluate_drafter(drafter, TargetHead.of(lm.target.model, drafter.dtype),
-                              rollout_batches(rollouts, batch=args.batch_size, n_anchors=args.anchors), tree)
-    replayed = None if tree is None else replayed_tau(drafter, TargetHead.of(lm.target.model, drafter.dtype), tree,
-                                                      rollouts, batch_size=args.batch_size)
+    head = TargetHead.of(lm.target.model, drafter.dtype)
+    result = evaluate_drafter(drafter, head, rollout_batches(rollouts, batch=args.batch_size, n_anchors=args.anchors),
+                              tree)
+    replayed = None if tree is None else replayed_tau(drafter, head, tree, rollouts, batch_size=args.batch_size)
     result.update(drafter=str(Path(args.drafter).resolve()), rollouts=[str(Path(d).resolve()) for d in args.rollouts],
                   builder=tree.builder if tree else None, budget=args.budget,
                   replayed_tau=None if replayed is None else replayed["tau"],

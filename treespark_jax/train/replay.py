@@ -54,7 +54,7 @@ from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.rollouts.reader import RolloutSet, open_rollouts
 from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, make_record
 from treespark_jax.rollouts.store import RolloutWriter
-from treespark_jax.rollouts.writer import RolloutRun, target_normalisers
+from treespark_jax.rollouts.writer import RolloutRun
 from treespark_jax.train.evaluate import anchor_trees, gold_path_nodes
 
 __all__ = ["open_source", "padded_length", "replay_trees", "replayed_tau", "write_replay"]
@@ -82,23 +82,14 @@ def _prompt_len(record: dict[str, Any]) -> int:
     return int(np.argmax(np.asarray(record["loss_mask"])))
 
 
-def replay_trees(drafter: BlockDrafter, head: TargetHead, tree_cfg: TreeConfig, records: Sequence[dict[str, Any]],
-                 *, seq_len: int) -> list[StoredTrees]:
-    """The trees greedy speculative decoding with ``drafter`` verifies on each record (module docstring).
-
-    Args:
-      drafter: the drafter (its ``target_layer_ids`` must be the records' feature layers).
-      head: the target's embedding and whole LM head.
-      tree_cfg: the method's tree (``Speculation.tree``); every round drafts its whole budget.
-      records: greedy rollout records (``rollouts.records`` fields; ``temp`` 0), at most ``seq_len``
-        tokens each.
-      seq_len: the padded sequence length of the drafter call (one compiled program per value).
+def _drafted(drafter: BlockDrafter, head: TargetHead, tree_cfg: TreeConfig, records: Sequence[dict[str, Any]],
+             seq_len: int):
+    """The tree and its greedy accepted nodes at every response position of each record.
 
     Returns:
-      One ``StoredTrees`` per record (``R`` rounds; rule ``greedy``, temperature 0).
-
-    Raises:
-      ValueError: a record longer than ``seq_len`` or sampled at a temperature above 0.
+      ``(starts [B], lengths [B], tree, accepted)``: ``tree`` a ``DraftTree`` of numpy ``[B, S, N]``
+      fields and ``accepted [B, S, N]``, indexed by the anchor's offset from the record's first
+      response token (``starts``).
     """
     b, n = len(records), tree_cfg.budget
     lengths = np.array([len(r["tokens"]) for r in records], np.int32)
@@ -120,22 +111,51 @@ def replay_trees(drafter: BlockDrafter, head: TargetHead, tree_cfg: TreeConfig, 
         anchors = np.where(anchors < lengths[:, None] - 1, anchors, -1).astype(np.int32)
         parts.append(jax.device_get(_trees_program(graphdef, params, head, tokens, features, lengths, anchors,
                                                    tree_cfg=tree_cfg)))
-    # [B, span', N] per field, indexed by the anchor's offset from the record's first response token
     tree = jax.tree.map(lambda *xs: np.concatenate([x.reshape(b, ANCHOR_CHUNK, n) for x in xs], axis=1),
                         *[p[0] for p in parts])
     accepted = np.concatenate([p[1].reshape(b, ANCHOR_CHUNK, n) for p in parts], axis=1)
-    zero_lse, zero_top = target_normalisers(head, np.zeros((1, records[0]["hidden"].shape[1]), FEATURE_DTYPE))
-    return [_record_trees(r, int(s), int(t), jax.tree.map(lambda x: x[i], tree), accepted[i], zero_lse[0], zero_top[0])
-            for i, (r, s, t) in enumerate(zip(records, starts, lengths))]
+    return starts, lengths, tree, accepted
 
 
-def _record_trees(record, start: int, length: int, tree, accepted, zero_lse, zero_top) -> StoredTrees:
-    """One record's rounds: the anchor chain through the per-position trees, and their rows."""
+def _round_offsets(accepted, start: int, length: int) -> np.ndarray:
+    """The anchor offsets of a record's rounds: from its first response token, each round moves
+    past its accepted nodes and the bonus token, while the anchor is not the last token."""
     rounds, a = [], start
     while a < length - 1:
         rounds.append(a - start)
         a += int(accepted[a - start].sum()) + 1
-    k = np.asarray(rounds, np.int64)
+    return np.asarray(rounds, np.int64)
+
+
+def replay_trees(drafter: BlockDrafter, head: TargetHead, tree_cfg: TreeConfig, records: Sequence[dict[str, Any]],
+                 *, seq_len: int) -> list[StoredTrees]:
+    """The trees greedy speculative decoding with ``drafter`` verifies on each record (module docstring).
+
+    Args:
+      drafter: the drafter (its ``target_layer_ids`` must be the records' feature layers).
+      head: the target's embedding and whole LM head.
+      tree_cfg: the method's tree (``Speculation.tree``); every round drafts its whole budget.
+      records: greedy rollout records (``rollouts.records`` fields; ``temp`` 0), at most ``seq_len``
+        tokens each.
+      seq_len: the padded sequence length of the drafter call (one compiled program per value).
+
+    Returns:
+      One ``StoredTrees`` per record (``R`` rounds; rule ``greedy``, temperature 0).
+
+    Raises:
+      ValueError: a record longer than ``seq_len`` or sampled at a temperature above 0.
+    """
+    starts, lengths, tree, accepted = _drafted(drafter, head, tree_cfg, records, seq_len)
+    # the rows off the accepted path: a zero hidden state and its normaliser (as a stored row's)
+    zero = jnp.zeros((1, 1, records[0]["hidden"].shape[1]), head.embed.dtype)
+    zero_lse, zero_top = jax.device_get(head.normaliser(zero))
+    return [_record_trees(r, int(s), _round_offsets(accepted[i], int(s), int(t)),
+                          jax.tree.map(lambda x: x[i], tree), accepted[i], float(zero_lse[0, 0]), int(zero_top[0, 0]))
+            for i, (r, s, t) in enumerate(zip(records, starts, lengths))]
+
+
+def _record_trees(record, start: int, k: np.ndarray, tree, accepted, zero_lse: float, zero_top: int) -> StoredTrees:
+    """One record's rounds (anchor offsets ``k``) as stored trees, with their rows."""
     anchor_pos = (start + k).astype(np.int32)
     acc = accepted[k]
     hidden, lse, top = (np.asarray(record[f]) for f in ("hidden", "target_lse", "target_top"))
@@ -156,13 +176,14 @@ def replayed_tau(drafter: BlockDrafter, head: TargetHead, tree_cfg: TreeConfig, 
                  batch_size: int = 8) -> dict:
     """Greedy decoding's τ with ``drafter`` at ``tree_cfg``'s whole budget, from greedy rollouts alone.
 
-    Every record is replayed (``replay_trees``) and τ is committed tokens per round, ``mean(L + 1)``
-    over all rounds: what ``treespark bench --no-skip-drafting --no-cost-aware-stop`` measures on
-    the same prompts and ``max_new_tokens``, up to near-ties (module docstring). Unlike the mean
-    of ``1 + L`` over uniformly drawn anchors (``evaluate_drafter``'s tree τ), it weighs each
-    stretch of text by the rounds decoding spends on it, so easy stretches, crossed in few long
-    rounds, count less: it is never above that mean in expectation; on this project's drafters it
-    is 0.4–0.5 lower on GSM8K and under 0.1 on MT-Bench (docs/training.md).
+    Every record is replayed (its rounds as ``replay_trees`` walks them, without building their
+    rows) and τ is committed tokens per round, ``mean(L + 1)`` over all rounds: what ``treespark
+    bench --no-skip-drafting --no-cost-aware-stop`` measures on the same prompts and
+    ``max_new_tokens``, up to near-ties (module docstring). Unlike the mean of ``1 + L`` over
+    uniformly drawn anchors (``evaluate_drafter``'s tree τ), it weighs each stretch of text by the
+    rounds decoding spends on it, so easy stretches, crossed in few long rounds, count less: it is
+    never above that mean in expectation; on this project's drafters it is 0.4–0.5 lower on GSM8K
+    and under 0.1 on MT-Bench (docs/training.md).
 
     Returns:
       ``{"tau", "rounds", "records"}``.
@@ -170,12 +191,13 @@ def replayed_tau(drafter: BlockDrafter, head: TargetHead, tree_cfg: TreeConfig, 
     Raises:
       ValueError: as ``replay_trees`` (a record sampled at a temperature above 0).
     """
-    accepted = []
+    lengths = []
     for at in range(0, len(rollouts), batch_size):
         records = [rollouts[i] for i in range(at, min(at + batch_size, len(rollouts)))]
-        for trees in replay_trees(drafter, head, tree_cfg, records, seq_len=padded_length(records)):
-            accepted.append(trees.accepted.sum(1))
-    lengths = np.concatenate(accepted)
+        starts, ends, _, accepted = _drafted(drafter, head, tree_cfg, records, padded_length(records))
+        for acc, s, t in zip(accepted, starts, ends):
+            lengths.append(acc[_round_offsets(acc, int(s), int(t))].sum(1))
+    lengths = np.concatenate(lengths)
     return {"tau": float(np.mean(lengths + 1)) if len(lengths) else None, "rounds": int(len(lengths)),
             "records": len(rollouts)}
 
