@@ -243,6 +243,8 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     (["--limit", "2", "--seed", "-1"], "--seed -1 is outside 0..4294967295"),
     (["--limit", "2", "--seed", str(2 ** 32)], f"--seed {2 ** 32} is outside 0..4294967295"),
     (["--limit", "2", "--batch-size", "0"], "--batch-size 0 must be at least 1"),
+    (["--limit", "2", "--temperature", "0"], "--temperature 0.0 must be above 0"),
+    (["--limit", "2", "--top-p", "1.5"], "--top-p 1.5"),
 ])
 def test_self_prompts_bad_input_is_one_sentence_and_exit_2(capsys, tmp_path, flags, message):
     out = tmp_path / "p.jsonl"

@@ -314,6 +314,21 @@ def test_a_user_prefix_starts_every_turn_and_the_target_continues_it(tiny_lm):
     assert [r.turns[0][len(prefix):].strip() for r in steered] != [r.turns[0] for r in plain]
 
 
+def test_the_sampling_temperature_and_top_p_reach_the_target(tiny_lm):
+    kw = dict(max_new_tokens=12, batch_size=4, seed=7)
+    hot = self_generated_prompts(tiny_lm, 4, **kw)
+    assert hot == self_generated_prompts(tiny_lm, 4, temperature=1.0, top_p=1.0, **kw)  # the defaults
+    cool = self_generated_prompts(tiny_lm, 4, temperature=0.3, **kw)
+    assert len(cool) == 4 and [r.turns for r in cool] != [r.turns for r in hot]
+    assert [r.turns for r in self_generated_prompts(tiny_lm, 4, top_p=0.5, **kw)] != [r.turns for r in hot]
+    # Near-greedy sampling writes nearly the same turn on every row: fewer distinct ones than rows.
+    assert len(self_generated_prompts(tiny_lm, 4, temperature=1e-4, max_rows=8, **kw)) < 4
+    for bad, message in (({"temperature": 0.0}, "temperature=0.0 must be above 0"),
+                         ({"top_p": 0.0}, "top_p")):
+        with pytest.raises(ValueError, match=message):
+            self_generated_prompts(tiny_lm, 4, **bad, **kw)
+
+
 def test_a_turn_cut_inside_a_character_drops_its_partial_bytes(tiny_lm):
     class CutMidCharacter:  # decodes as a byte-level tokenizer does when the last token ends mid-character
         def __getattr__(self, name):
@@ -367,6 +382,8 @@ def test_an_interrupted_run_resumes_from_its_progress_file(tiny_lm, tmp_path):
                                batch_size=2)
     with pytest.raises(ValueError, match=r"other settings \(another target\)"):
         self_generated_prompts(tiny_lm, 3, progress=progress, target={"sha256": "b"}, **kw)
+    with pytest.raises(ValueError, match=r"other settings \(temperature=1.0\)"):
+        self_generated_prompts(tiny_lm, 3, progress=progress, target={"sha256": "a"}, temperature=0.7, **kw)
     assert progress.read_text() == before
     foreign = tmp_path / "notes.txt"
     foreign.write_text("my notes\nmore")

@@ -8,9 +8,9 @@ import os
 import platform
 import sys
 
-from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_at_least,
-                                      check_drafter_path, check_out_file, comma_list, flag_of, generation_config,
-                                      named_by_flag, path_arg, target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_sampling_args, add_target_args,
+                                      check_at_least, check_drafter_path, check_out_file, comma_list, flag_of,
+                                      generation_config, named_by_flag, path_arg, target_name)
 from treespark_jax.methods import DRAFTER_METHODS, METHODS, check_method_options, recipe
 
 ALL_METHODS = ",".join(METHODS)
@@ -32,8 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--methods", default=ALL_METHODS,  # the default spelt with spaces, so --help wraps between names
                    help=f"comma-separated methods (default: {ALL_METHODS.replace(',', ', ')})")
     b.add_argument("--budgets", default="4,8,16,32", help="comma-separated tree budgets N")
-    b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    b.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    add_sampling_args(b)
     b.add_argument("--max-new-tokens", type=int, default=128, help="cap per reply")
     b.add_argument("--repeats", type=int, default=3, help="interleaved passes over the prompts")
     b.add_argument("--seed", type=int, default=0, help="sampling seed")

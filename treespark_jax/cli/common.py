@@ -42,6 +42,13 @@ def add_mesh_arg(p: argparse.ArgumentParser, note: str = "") -> None:
                         f"width over model (default: every local device on data){note}")
 
 
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
+    """Adds ``--temperature`` (default ``temperature``) and ``--top-p`` (default 1) to ``p``."""
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+
+
 def add_override_args(p: argparse.ArgumentParser, whose: str) -> None:
     """Adds ``--builder``, ``--verify``, ``--skip-drafting`` and ``--cost-aware-stop`` to ``p``
     (``methods.speculation``'s overrides); ``whose`` names what they override in the help."""

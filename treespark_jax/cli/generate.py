@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_target_args, check_drafter_path, flag_of,
-                                      generation_config, path_arg, target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_override_args, add_sampling_args, add_target_args,
+                                      check_drafter_path, flag_of, generation_config, path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS, METHODS
 
 
@@ -20,8 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--chat", action="store_true",
                      help="wrap the prompt as a user turn of the model's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="cap on generated tokens")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    add_sampling_args(gen)
     gen.add_argument("--seed", type=int, default=0, help="request seed for sampling")
     gen.add_argument("--method", default=None, choices=METHODS,
                      help="decoding method (default: treespark with its shipped drafter where the target has "

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, check_drafter_path, check_out_dir,
-                                      comma_list, generation_config, named_by_flag, path_arg, target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_sampling_args, add_target_args, check_at_least,
+                                      check_drafter_path, check_out_dir, comma_list, generation_config, named_by_flag,
+                                      path_arg, target_name)
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
 
@@ -28,8 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ro.add_argument("--out", required=True, metavar="DIR", type=path_arg,
                     help="rollout directory (created; one holding a manifest is resumed)")
     ro.add_argument("--max-new-tokens", type=int, default=256, help="cap on response tokens per prompt")
-    ro.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    ro.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    add_sampling_args(ro)
     ro.add_argument("--seed", type=int, default=0, help="base seed (each prompt's seed derives from it)")
     ro.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch and per shard")
     ro.add_argument("--drafter", default=None, metavar="PATH", type=path_arg,

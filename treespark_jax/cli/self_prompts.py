@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from treespark_jax.cli.common import (add_mesh_arg, add_target_args, check_at_least, check_out_file, named_by_flag,
-                                      path_arg, target_name)
+from treespark_jax.cli.common import (add_mesh_arg, add_sampling_args, add_target_args, check_at_least,
+                                      check_out_file, named_by_flag, path_arg, target_name)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Adds the ``self-prompts`` command to ``sub``."""
     sp = sub.add_parser(
         "self-prompts", help="let the target write user turns (training prompts) into a JSONL file",
-        description="The instruct target samples user turns from its own chat template at temperature 1 "
+        description="The instruct target samples user turns from its own chat template "
                     "(docs/training.md; prompts.self_generated), seeded per row, and the distinct "
                     "non-empty ones are written to --json-out, one {\"id\", \"prompt\", \"seed\", \"finished\"} "
                     "object per line: the format `treespark rollout --prompts FILE.jsonl` reads.")
@@ -24,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--seed", type=int, default=0,
                     help="generation seed, 0..2³²−1 (row i samples with SeedSequence([seed, i]))")
     sp.add_argument("--max-new-tokens", type=int, default=64, help="cap on the tokens of one user turn")
+    add_sampling_args(sp, temperature=1.0)
     sp.add_argument("--batch-size", type=int, default=16,
                     help="rows per generation call (the prompts depend on it: keep it to reproduce a file)")
     sp.add_argument("--user-prefix", default="", metavar="TEXT",
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> None:
 
     Raises:
       ValueError: ``--limit``, ``--max-new-tokens`` or ``--batch-size`` below 1, a ``--seed`` outside 0..``MAX_SEED``,
+        a ``--temperature`` not above 0, a ``--top-p`` outside (0, 1],
         a ``--json-out`` that exists or whose folder does not (all before the target loads), a bad
         ``--mesh``, a target without a chat template, a ``--user-prefix`` holding a special token, a
         progress file of other flags or another target, or in use by another run, or no usable user
@@ -54,14 +56,14 @@ def run(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from treespark_jax.api import load
-    from treespark_jax.decode.engine import check_sampling
     from treespark_jax.drafter.checkpoint import TargetBinding
     from treespark_jax.files import remove_locked_file, write_text_atomic
-    from treespark_jax.prompts.self_generated import check_user_prefix, prompt_line, self_generated_prompts
+    from treespark_jax.prompts.self_generated import (check_turn_sampling, check_user_prefix, prompt_line,
+                                                      self_generated_prompts)
 
     check_at_least(args, limit=1, max_new_tokens=1, batch_size=1)
-    with named_by_flag(seed="--seed"):
-        check_sampling(args.max_new_tokens, 1.0, 1.0, args.seed)  # the seed range of every command
+    with named_by_flag(seed="--seed", temperature="--temperature", top_p="--top-p"):
+        check_turn_sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     check_out_file("--json-out", args.json_out)
     out = Path(args.json_out)
     if out.exists():
@@ -71,7 +73,8 @@ def run(args: argparse.Namespace) -> None:
     check_user_prefix(lm.tokenizer, args.user_prefix, "--user-prefix")
     start = time.perf_counter()
     records = self_generated_prompts(lm, args.limit, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                     batch_size=args.batch_size, user_prefix=args.user_prefix,
+                                     batch_size=args.batch_size, temperature=args.temperature,
+                                     top_p=args.top_p, user_prefix=args.user_prefix,
                                      drop_unfinished=args.drop_unfinished, progress=progress,
                                      target=dataclasses.asdict(TargetBinding.of(lm.target)))
     seconds = time.perf_counter() - start

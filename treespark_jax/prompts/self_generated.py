@@ -121,15 +121,29 @@ class _Progress:
         self.release()
 
 
+def check_turn_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
+    """The sampling settings of :func:`self_generated_prompts`: those every decode checks
+    (``decode.engine.check_sampling``) and a temperature above 0 (at 0 every row writes the same turn).
+
+    Raises:
+      ValueError: one sentence naming the value and its limit.
+    """
+    from treespark_jax.decode.engine import check_sampling
+
+    check_sampling(max_new_tokens, temperature, top_p, seed)
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be above 0: at 0 every row writes the same turn.")
+
+
 def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: int = 64,
-                           batch_size: int = 8, system: str | None = None, user_prefix: str = "",
-                           drop_unfinished: bool = False, max_rows: int | None = None,
+                           batch_size: int = 8, temperature: float = 1.0, top_p: float = 1.0,
+                           system: str | None = None, user_prefix: str = "", drop_unfinished: bool = False, max_rows: int | None = None,
                            progress: str | Path | None = None, target: dict[str, Any] | None = None
                            ) -> list[PromptRecord]:
     """User turns written by the instruct target itself from its own chat template (DESIGN §1.4).
 
     The prompt is :func:`user_turn_prefix` followed by ``user_prefix``; the target samples from it
-    at temperature 1 (top-p 1) until a stop token (its end-of-turn) or ``max_new_tokens``. Each
+    (at ``temperature`` and ``top_p``, 1 and 1 by default) until a stop token (its end-of-turn) or ``max_new_tokens``. Each
     text is ``user_prefix`` plus the sample cut at its first special token, stripped; empty
     samples and repeats are dropped; rows are drawn in whole batches of ``batch_size`` until ``n``
     prompts are kept or at least ``max_rows`` rows were drawn. A ``user_prefix`` steers the kind
@@ -149,6 +163,10 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       seed: generation seed (≥ 0).
       max_new_tokens: cap on the tokens of one user turn.
       batch_size: rows per generation call (one compiled program per batch bucket).
+      temperature: sampling temperature (> 0: at 0 every row would write the same turn). Below 1
+        the target writes more coherent turns of less variety: with the GSM8K wrapper as
+        ``user_prefix``, 0.7 gives word problems where 1 gives mostly noise (docs/training.md).
+      top_p: nucleus mass in ``(0, 1]``.
       system: system message to render before the user turn; None uses the template's default.
       user_prefix: text every user turn starts with; the target writes the rest.
       drop_unfinished: also drop turns that hit ``max_new_tokens`` before the end-of-turn token.
@@ -168,16 +186,16 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       warning) if ``max_rows`` rows did not yield ``n`` distinct non-empty turns.
 
     Raises:
-      ValueError: bad arguments, a ``user_prefix`` holding a special token, a chat template
+      ValueError: bad arguments (``temperature`` ≤ 0 among them), a ``user_prefix`` holding a special token, a chat template
         without a user-turn header, or a ``progress`` file written with other settings or
         ``target``, or open in another process.
     """
-    from treespark_jax.decode.engine import Engine, check_sampling  # the decode stack is only needed here
+    from treespark_jax.decode.engine import Engine  # the decode stack is only needed here
 
     for name, value, low in (("n", n, 1), ("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1)):
         if not (isinstance(value, int) and value >= low):
             raise ValueError(f"{name}={value!r} must be an integer ≥ {low}.")
-    check_sampling(max_new_tokens, 1.0, 1.0, seed)  # the seed range every decode has
+    check_turn_sampling(max_new_tokens, temperature, top_p, seed)
     max_rows = 4 * n + batch_size if max_rows is None else max_rows
     if not (isinstance(max_rows, int) and max_rows >= 1):
         raise ValueError(f"max_rows={max_rows!r} must be an integer ≥ 1.")
@@ -189,7 +207,7 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
     log = None
     if progress is not None:  # n and max_rows may change on resume: the rows drawn do not depend on them
         log = _Progress(Path(progress), dict(seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                             system=system, user_prefix=user_prefix,
+                                             temperature=temperature, top_p=top_p, system=system, user_prefix=user_prefix,
                                              drop_unfinished=drop_unfinished, target=target))
     # Every usable turn of a drawn batch is kept, in row order, and the first n are returned, so
     # a progress file serves a resumed run with a larger n as well.
@@ -199,7 +217,7 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
         while len(kept) < n and row < max_rows:
             rows = range(row, row + batch_size)  # full batches: a row's draw never depends on n
             seeds = [int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) for i in rows]
-            out, _ = engine.generate([header] * len(rows), max_new_tokens, 1.0, 1.0, seeds)
+            out, _ = engine.generate([header] * len(rows), max_new_tokens, temperature, top_p, seeds)
             added = []
             for i, row_seed, ids in zip(rows, seeds, out):
                 cut = next((k for k, t in enumerate(ids) if t in special), len(ids))
