@@ -2,7 +2,8 @@
 # Trained drafters for the smollm2-135m preset (DESIGN.md §1.4, issue 6), stage by stage:
 #   1. rollouts of the target on the training prompts (HumanEval, GSM8K, MT-Bench train splits, and
 #      with SELF > 0 that many chat prompts the target writes itself: `treespark self-prompts`; with
-#      SELF_CODE > 0 that many code prompts it writes after the HumanEval wrapper, `--user-prefix`)
+#      SELF_CODE > 0 that many code prompts it writes after the HumanEval wrapper, `--user-prefix`; with
+#      SAMPLES > 0 that many sampled answers to each training prompt of SAMPLE_SETS)
 #   2. a dflash drafter and a dspark drafter on the same data for the same steps, each trained on its
 #      draft vocabulary (the DRAFT_VOCAB most frequent tokens of the training rollouts)
 #   3. on-policy rollouts with the dspark drafter (every verified tree logged): greedy ones replayed from the
@@ -39,6 +40,12 @@ REPLAY=${REPLAY:-1}             # onpolicy stage: 1 replays greedy trees from th
 TREE_SHARE=${TREE_SHARE:-0.5}  # treespark stages: share of every batch's sequences drawn from on-policy records
 SELF=${SELF:-4000}             # self-generated chat prompts (DESIGN.md §1.4)
 SELF_CODE=${SELF_CODE:-1000}   # self-generated code prompts (HumanEval has 132 training prompts; code needs more)
+# SAMPLES sampled rollouts (temperature SAMPLE_TEMP, seeds 1..SAMPLES) of every training prompt of SAMPLE_SETS: more
+# contexts of the target's own answers where a set's train split is small. GSM8K's 1,287 are fit far past its eval
+# split (treespark 20×: replayed τ 3.38 on 32 train rollouts, 2.83 on the eval ones; dspark 2.66 / 2.45).
+SAMPLES=${SAMPLES:-0}
+SAMPLE_SETS=${SAMPLE_SETS:-"gsm8k"}
+SAMPLE_TEMP=${SAMPLE_TEMP:-0.7}
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary the drafters train on and draft from (most frequent training tokens)
 # the dspark drafter the on-policy, treespark and ablate stages start from; on a machine without this DATA
 # (its rollouts regenerated, the dspark stage not rerun) the shipped one: treespark_jax/drafters/smollm2-135m/dspark
@@ -52,7 +59,10 @@ self_rollouts() {
   if [ "$SELF" -gt 0 ]; then echo "$DATA/rollouts-self$SELF-train"; fi
   if [ "$SELF_CODE" -gt 0 ]; then echo "$DATA/rollouts-selfcode$SELF_CODE-train"; fi
 }
-train_plain() { plain train; self_rollouts; }  # the sets' train splits and the self-generated prompts
+sampled() {
+  for s in $SAMPLE_SETS; do for i in $(seq 1 "$SAMPLES"); do echo "$DATA/rollouts-$s-train-t$SAMPLE_TEMP-s$i"; done; done
+}
+train_plain() { plain train; self_rollouts; sampled; }  # the sets' train splits, the self-generated prompts, samples
 
 stage_rollouts() {
   for s in $SETS; do
@@ -68,6 +78,15 @@ stage_rollouts() {
       --out "$DATA/rollouts-self$SELF-train"
   fi
   stage_selfcode
+  stage_sampled
+}
+stage_sampled() {  # SAMPLES sampled answers to each training prompt of SAMPLE_SETS (none by default)
+  for s in $SAMPLE_SETS; do
+    for i in $(seq 1 "$SAMPLES"); do
+      $T rollout --prompts "$s" --split train ${LIMIT:+--limit "$LIMIT"} --max-new-tokens "$NEW" --batch-size "$RBATCH" \
+        --temperature "$SAMPLE_TEMP" --seed "$i" --out "$DATA/rollouts-$s-train-t$SAMPLE_TEMP-s$i"
+    done
+  done
 }
 stage_selfcode() {  # code prompts: the target continues the HumanEval wrapper from "def" (prompts.sets.WRAPPERS)
   [ "$SELF_CODE" -gt 0 ] || return 0
