@@ -26,19 +26,23 @@ from results_tables import carried_note, carried_section, fmt  # noqa: E402
 ITERATE_HEAD = "## Iterated on-policy loop"  # the heading templates/RESULTS.md.j2 gives the section
 ITERATE_NOT_RUN = "Not run yet: `experiments/train_drafters.sh iterate` makes it."
 VARIANTS = ("treespark", "control")
-# what the comparison reads: offline tree τ, offline chain τ, online τ (keys of _scores)
-MEASURES = (("tree_tau", "offline tree τ"), ("chain_tau", "offline chain τ"), ("online_tau", "online τ"))
+# what the comparison reads (keys of _scores): offline replayed τ (greedy decoding replayed along the eval rollouts,
+# what bench measures), offline tree τ (anchor mean), offline chain τ, online τ
+MEASURES = (("replayed_tau", "offline replayed τ"), ("tree_tau", "offline tree τ"), ("chain_tau", "offline chain τ"),
+            ("online_tau", "online τ"))
 
 
 def _scores(folder: Path) -> dict | None:
-    """Offline and online τ and the edge head's ECE of one scored drafter, or ``None`` if not scored yet."""
+    """Offline and online τ and the edge head's ECE of one scored drafter, or ``None`` if not scored yet
+    (``replayed_tau`` is ``None`` in an eval.json written before eval-drafter reported it)."""
     if not (folder / "eval.json").is_file():
         return None
     ev = json.loads((folder / "eval.json").read_text())
     bench = json.loads((folder / "bench.json").read_text()) if (folder / "bench.json").is_file() else None
     online = next((r["tau"] for r in bench["rows"] if r["method"] == "treespark"), None) if bench else None
     ece = summary(ev["calibration"])["ece"] if ev.get("calibration") else None
-    return {"chain_tau": ev["chain_tau"], "tree_tau": ev.get("tree_tau"), "budget": ev.get("budget"),
+    return {"chain_tau": ev["chain_tau"], "tree_tau": ev.get("tree_tau"), "replayed_tau": ev.get("replayed_tau"),
+            "budget": ev.get("budget"),
             "online_tau": online, "ece": ece}
 
 
@@ -54,8 +58,9 @@ def _round_dir(data: Path, temp: str, r: int) -> Path:
 
 
 def rounds(data: Path, temp: str = "0") -> list[dict]:
-    """Every round at temperature ``temp`` with scored runs: ``{"round", "records", "tokens", "start": scores |
-    None, "runs": {(variant, seed): scores | steps}}``, in round order."""
+    """Every round at temperature ``temp`` with scored runs: ``{"round", "records", "tokens", "replayed", "start":
+    scores | None, "runs": {(variant, seed): scores | steps}}`` (``replayed``: the round's trees were replayed along
+    plain rollouts, not decoded), in round order."""
     out = []
     r = 1
     while _round_dir(data, temp, r).is_dir():
@@ -67,12 +72,13 @@ def rounds(data: Path, temp: str = "0") -> list[dict]:
             if variant in VARIANTS and seed.isdigit() and scores is not None:
                 steps = json.loads((folder / "run.json").read_text())["train"]["steps"]
                 runs[(variant, int(seed))] = {**scores, "steps": steps}
-        trees = [json.loads(m.read_text()) for m in sorted([*d.glob("onpolicy/manifest.json"),
-                                                            *d.glob("replay-*/manifest.json")])]
+        replayed = sorted(d.glob("replay-*/manifest.json"))
+        trees = [json.loads(m.read_text()) for m in sorted([*d.glob("onpolicy/manifest.json"), *replayed])]
         start = _scores(d / "start") if r == 1 else _scores(_round_dir(data, temp, r - 1) / "treespark-s0")
         if runs or start:
             out.append({"round": r, "records": sum(m["records"] for m in trees) if trees else None,
                         "tokens": sum(m["response_tokens"] for m in trees) if trees else None,
+                        "replayed": bool(replayed),
                         "start": start, "runs": runs})
         r += 1
     return out
@@ -80,7 +86,7 @@ def rounds(data: Path, temp: str = "0") -> list[dict]:
 
 def _row(temp: str, rnd: int, name: str, seed, steps, s: dict) -> str:
     return (f"| {temp} | {rnd} | {name} | {seed} | {steps} | {s['chain_tau']:.3f} | {fmt(s['tree_tau'], '.3f')} | "
-            f"{fmt(s['online_tau'], '.3f')} | {fmt(s['ece'], '.3f')} |")
+            f"{fmt(s['replayed_tau'], '.3f')} | {fmt(s['online_tau'], '.3f')} | {fmt(s['ece'], '.3f')} |")
 
 
 def differences(rnd: dict) -> dict[str, list[float]]:
@@ -112,8 +118,8 @@ def iterate_table(data: Path) -> str | None:
     if not scored:
         return None
     budget = next(s["budget"] for _, rnd in scored for s in [rnd["start"], *rnd["runs"].values()] if s)
-    lines = [f"| temp | round | drafter | seed | steps | chain τ | tree τ ({budget}) | online τ ({budget}) | edge ECE |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| temp | round | drafter | seed | steps | chain τ | tree τ ({budget}) | replayed τ ({budget}) "
+             f"| online τ ({budget}) | edge ECE |", "|---|---|---|---|---|---|---|---|---|---|"]
     for temp, rnd in scored:
         if rnd["start"]:
             name = "start (the treespark stage's drafter)" if rnd["round"] == 1 else \
@@ -123,10 +129,10 @@ def iterate_table(data: Path) -> str | None:
             lines.append(_row(temp, rnd["round"], variant, seed, s["steps"], s))
     lines.append("")
     for temp, rnd in scored:
-        data_words = (f" ({rnd['records']} on-policy GSM8K rollouts, {rnd['tokens']:,} response tokens)"
-                      if rnd["records"] else "")
+        kind = "training rollouts with replayed trees" if rnd["replayed"] else "on-policy GSM8K rollouts"
+        data_words = f" ({rnd['records']} {kind}, {rnd['tokens']:,} response tokens)" if rnd["records"] else ""
         diffs = differences(rnd)
-        if not diffs["chain_tau"]:
+        if not any(diffs.values()):
             lines.append(f"- Temp {temp}, round {rnd['round']}{data_words}: no seed has both variants scored yet.")
             continue
         lines.append(f"- Temp {temp}, round {rnd['round']}{data_words}, tree terms minus control: "

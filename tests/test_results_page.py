@@ -197,11 +197,13 @@ def test_tau_equal_budget_page_compares_tau_per_budget_and_leaves_speed_out():
     assert "speedup" not in text.split("## gsm8k")[1] and "1.30" not in text
 
 
-def _scored(folder, chain, tree, online, steps=None):
+def _scored(folder, chain, tree, online, steps=None, replayed=None):
     folder.mkdir(parents=True)
     calibration = {"count": [[10.0, 10.0]], "predicted": [[2.0, 8.0]], "accepted": [[1.0, 9.0]]}  # ECE 0.1
-    (folder / "eval.json").write_text(json.dumps({"chain_tau": chain, "tree_tau": tree, "budget": 16,
-                                                  "calibration": calibration}))
+    ev = {"chain_tau": chain, "tree_tau": tree, "budget": 16, "calibration": calibration}
+    if replayed is not None:  # eval.json written before eval-drafter reported it have none
+        ev["replayed_tau"] = replayed
+    (folder / "eval.json").write_text(json.dumps(ev))
     (folder / "bench.json").write_text(json.dumps({"rows": [_row("ar", None, 1.0, 1.0, 0.0),
                                                             _row("treespark", 16, online, 1.1, 0.1)]}))
     if steps is not None:
@@ -223,11 +225,22 @@ def test_iterated_loop_table_compares_each_seed_with_its_control(iterate, page, 
     _scored(data / "iter-t1-r1" / "start", 2.0, 2.5, 2.2)  # ITER_TEMP=1: its own start, online at temperature 1
     _scored(data / "iter-t1-r1" / "control-s0", 2.0, 2.5, 2.1, steps=600)
     _scored(data / "iter-t1-r1" / "treespark-s0", 2.0, 2.5, 2.3, steps=600)
+    r3 = data / "iter-r3"  # trees replayed along plain rollouts (ITER_TEMP=0, REPLAY=1), eval.json with replayed τ
+    for name, tree, replayed in (("treespark-s0", 3.0, 2.6), ("control-s0", 3.1, 2.5)):
+        _scored(r3 / name, 2.4, tree, 3.0, steps=600, replayed=replayed)
+    for s, records in (("gsm8k", 1287), ("mtbench", 48)):
+        (r3 / f"replay-{s}").mkdir()
+        (r3 / f"replay-{s}" / "manifest.json").write_text(json.dumps({"records": records, "response_tokens": 1000}))
     table = iterate.iterate_table(data)
-    assert "| 0 | 1 | start (the treespark stage's drafter) | — | — | 2.000 | 2.500 | 2.600 | 0.100 |" in table
-    assert "| 0 | 1 | treespark | 1 | 600 | 2.200 | 2.800 | 2.700 | 0.100 |" in table
-    assert "| 0 | 2 | start (round 1's treespark, seed 0) | — | — | 2.100 | 2.700 | 2.800 | 0.100 |" in table
-    assert "| 1 | 1 | start (the treespark stage's drafter) | — | — | 2.000 | 2.500 | 2.200 | 0.100 |" in table
+    assert "| 0 | 3 | control | 0 | 600 | 2.400 | 3.100 | 2.500 | 3.000 | 0.100 |" in table
+    assert ("- Temp 0, round 3 (1335 training rollouts with replayed trees, 2,000 response tokens), tree terms minus "
+            "control: offline replayed τ higher in the seed (+0.100; mean +0.100); offline tree τ lower in the seed "
+            "(-0.100; mean -0.100); offline chain τ equal in the seed (+0.000; mean +0.000); online τ equal in the "
+            "seed (+0.000; mean +0.000).") in table
+    assert "| 0 | 1 | start (the treespark stage's drafter) | — | — | 2.000 | 2.500 | — | 2.600 | 0.100 |" in table
+    assert "| 0 | 1 | treespark | 1 | 600 | 2.200 | 2.800 | — | 2.700 | 0.100 |" in table
+    assert "| 0 | 2 | start (round 1's treespark, seed 0) | — | — | 2.100 | 2.700 | — | 2.800 | 0.100 |" in table
+    assert "| 1 | 1 | start (the treespark stage's drafter) | — | — | 2.000 | 2.500 | — | 2.200 | 0.100 |" in table
     assert ("- Temp 0, round 1 (128 on-policy GSM8K rollouts, 24,717 response tokens), tree terms minus control: "
             "offline tree τ higher in every seed (+0.100, +0.200; mean +0.150); offline chain τ mixed (+0.100, "
             "-0.100; mean +0.000); online τ mixed (-0.100, +0.100; mean +0.000).") in table
