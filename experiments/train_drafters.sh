@@ -118,6 +118,7 @@ treespark_sets() {  # the on-policy trees, and every plain rollout there is (a s
     if [ -d "$DATA/rollouts-$s-train" ]; then echo "$DATA/rollouts-$s-train"; fi
   done
   self_rollouts
+  sampled
 }
 stage_treespark() {
   $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
