@@ -98,7 +98,9 @@ def differences(rnd: dict) -> dict[str, list[float]]:
 
 
 def _words(deltas: list[float]) -> str:
-    """How the tree terms moved a measure over the seeds: the signs, each seed's difference, the mean."""
+    """How the tree terms moved a measure over the seeds: the signs, each seed's difference, the mean (all to the
+    three decimals shown: a difference that rounds to 0 is equal)."""
+    deltas = [round(d, 3) + 0.0 for d in deltas]  # + 0.0: no -0.0
     every = "every" if len(deltas) > 1 else "the"
     if all(d > 0 for d in deltas):
         sign = f"higher in {every} seed"
