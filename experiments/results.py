@@ -5,7 +5,9 @@ One process, one loaded target (``smollm2-135m`` in float32 with the shipped dra
 1. for each prompt set (held-out ``eval`` split) and temperature: ``bench.compare`` over all
    methods and budgets (AR interleaved, batch 1), JSON per (set, temp) under ``--out``;
 2. the builder ablation on a fixed drafter: the shipped ``treespark`` drafter with each tree
-   builder at the largest budget, temp 0, on the first set;
+   builder at the largest budget, temp 0, on the first set (measured with it: a later run over
+   other sets at the same protocol keeps it, and its tables add up on the same page, so the
+   protocol can be measured a set at a time);
 3. a plot of τ and speedup against budget per method (temp 0, one column per set),
    ``results_tau_speedup.png`` next to RESULTS.md;
 4. ``RESULTS.md`` (next to this script): machine, protocol, tables, plot, the loss-term
@@ -68,10 +70,11 @@ def main() -> None:
         return measure_one(args, args.only, out)
     if args.check:
         check(args, sets, temps, out)
-        meta = json.loads((out / "meta.json").read_text())["args"]
-        sets, temps = meta["sets"].split(","), [float(t) for t in meta["temps"].split(",")]
     elif not args.render_only:
         measure(args, sets, temps, out)
+    if not args.render_only:  # the page shows every table of its protocol: runs over other sets add up
+        meta = json.loads((out / "meta.json").read_text())["args"]
+        sets, temps = meta["sets"].split(","), [float(t) for t in meta["temps"].split(",")]
     print(render(sets, temps, budgets, out, Path(args.data), Path(args.results_md), HERE.parent / "README.md"))
 
 

@@ -100,21 +100,32 @@ def run_jobs(args, jobs: list[str], out: Path) -> dict[str, float]:
 
 def measure(args, sets, temps, out: Path) -> None:
     """Runs every benchmark and writes the JSON rows under ``out``."""
+    old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else None
+    same = old is not None and all(old["args"][k] == vars(args)[k] for k in PROTOCOL)
     clock = cpu_clock()
-    jobs = run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps] + [f"builders:{sets[0]}"], out)
+    jobs = run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps] + _builders_job(sets, temps, out, same), out)
     meta = {"jobs": jobs, "machine": describe_machine(), "args": vars(args),
             "others_cpu": [others_share(clock, cpu_clock())], "date": time.strftime("%Y-%m-%d")}
-    if (out / "meta.json").is_file():  # runs over other sets or temperatures add up on one page
-        old = json.loads((out / "meta.json").read_text())
-        if all(old["args"][k] == meta["args"][k] for k in PROTOCOL):
-            for k in ("sets", "temps"):
-                meta["args"][k] = ",".join(dict.fromkeys(old["args"][k].split(",") + meta["args"][k].split(",")))
-            meta["jobs"] = {**old.get("jobs", {}), **jobs}  # a table measured again replaces its time
-            meta["others_cpu"] = [*old.get("others_cpu", []), *meta["others_cpu"]]
+    if same:  # runs over other sets or temperatures add up on one page
+        for k in ("sets", "temps"):
+            meta["args"][k] = ",".join(dict.fromkeys(old["args"][k].split(",") + meta["args"][k].split(",")))
+        meta["jobs"] = {**old.get("jobs", {}), **jobs}  # a table measured again replaces its time
+        meta["others_cpu"] = [*old.get("others_cpu", []), *meta["others_cpu"]]
     meta["minutes"] = sum(meta["jobs"].values())
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     if (out / "reproduction.json").is_file():  # a verdict on a table measured again no longer holds
         _write_checked_rows(out, checked_rows(out, drop=[(s, t) for s in sets for t in temps]))
+
+
+def _builders_job(sets: list[str], temps: list[float], out: Path, same_protocol: bool) -> list[str]:
+    """The builder ablation's job for a run over ``sets`` and ``temps``: on the first set of the page,
+    measured with that set's temp-0 table; a later run over other tables at the same protocol keeps the
+    one the page has."""
+    done = out / "ablation-builders.json"
+    if same_protocol and done.is_file():
+        name = json.loads(done.read_text())["set"]
+        return [f"builders:{name}"] if name in sets and 0.0 in temps else []
+    return [f"builders:{sets[0]}"]
 
 
 def compare_runs(name: str, temp: float, page: list[dict], fresh: list[dict]) -> list[dict]:

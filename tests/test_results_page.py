@@ -178,6 +178,31 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(measuring, tables,
     assert json.loads((out / "meta.json").read_text())["minutes"] == 6.0
 
 
+def test_runs_over_other_tables_add_up_and_keep_the_builder_ablation(measuring, tmp_path, monkeypatch):
+    out = tmp_path / "results"
+    out.mkdir()
+    ran = []
+    monkeypatch.setattr(measuring, "run_jobs", lambda a, jobs, where: ran.append(jobs) or dict.fromkeys(jobs, 1.0))
+    protocol = {"limit": 16, "max_new_tokens": 128, "budgets": "4,8", "repeats": 1}
+
+    def measure(sets, temps, **changed):
+        args = argparse.Namespace(**protocol | changed | {"sets": sets, "temps": temps})
+        measuring.measure(args, sets.split(","), [float(t) for t in temps.split(",")], out)
+        return ran[-1]
+
+    assert measure("gsm8k", "0") == ["bench:gsm8k:0", "builders:gsm8k"]
+    (out / "ablation-builders.json").write_text(json.dumps({"set": "gsm8k", "rows": []}))
+    assert measure("humaneval,mtbench", "0") == ["bench:humaneval:0", "bench:mtbench:0"]
+    assert measure("gsm8k", "1") == ["bench:gsm8k:1"]  # the ablation is a temp-0 measurement
+    assert measure("gsm8k", "0") == ["bench:gsm8k:0", "builders:gsm8k"]  # measured again with its table
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["args"]["sets"], meta["args"]["temps"]) == ("gsm8k,humaneval,mtbench", "0,1")
+    assert meta["minutes"] == 5.0  # four tables and the ablation, each counted once
+    # another protocol starts another page, which measures its own ablation
+    assert measure("humaneval", "0", limit=4) == ["bench:humaneval:0", "builders:humaneval"]
+    assert json.loads((out / "meta.json").read_text())["args"]["sets"] == "humaneval"
+
+
 def test_tau_equal_budget_page_compares_tau_per_budget_and_leaves_speed_out():
     page = load_script("experiments/tau_equal_budget.py")
     rows = [_row("ar", None, 1.0, 1.0, 0.0), _row("dspark", 4, 1.7, 1.05, 0.1), _row("ddtree", 4, 1.95, 0.9, 0.1),
