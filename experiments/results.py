@@ -63,7 +63,6 @@ def main() -> None:
                    help="measure --sets/--temps again and record whether the page's rows reproduce")
     args = p.parse_args()
     sets, temps = args.sets.split(","), [float(t) for t in args.temps.split(",")]
-    budgets = [int(b) for b in args.budgets.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.only:
@@ -75,7 +74,7 @@ def main() -> None:
     if not args.render_only:  # the page shows every table of its protocol: runs over other sets add up
         meta = json.loads((out / "meta.json").read_text())["args"]
         sets, temps = meta["sets"].split(","), [float(t) for t in meta["temps"].split(",")]
-    print(render(sets, temps, budgets, out, Path(args.data), Path(args.results_md), HERE.parent / "README.md"))
+    print(render(sets, temps, out, Path(args.data), Path(args.results_md), HERE.parent / "README.md"))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ def measure(args, sets, temps, out: Path) -> None:
     old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else None
     same = old is not None and all(old["args"][k] == vars(args)[k] for k in PROTOCOL)
     clock = cpu_clock()
-    jobs = run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps] + _builders_job(sets, temps, out, same), out)
+    tables = [f"bench:{s}:{t:g}" for s in sets for t in temps]
+    jobs = run_jobs(args, tables + _builders_job(sets, temps, out, same), out)
     meta = {"jobs": jobs, "machine": describe_machine(), "args": vars(args),
             "others_cpu": [others_share(clock, cpu_clock())], "date": time.strftime("%Y-%m-%d")}
     if same:  # runs over other sets or temperatures add up on one page

@@ -62,12 +62,14 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def render(sets, temps, budgets, out: Path, data: Path, results_md: Path, readme: Path | None = None) -> str:
+def render(sets, temps, out: Path, data: Path, results_md: Path, readme: Path | None = None) -> str:
     """RESULTS.md (``templates/RESULTS.md.j2``) and the plot from the JSON under ``out`` (and the loss
     ablation and the iterated loop under ``data``, else those ``results_md`` already has, see
-    ``results_tables.carried_section``);
-    with ``readme``, also the table between its results markers. Returns the page's text."""
+    ``results_tables.carried_section``), one section per set × temp (a table not measured yet at the
+    page's protocol says so); with ``readme``, also the table between its results markers. Returns the
+    page's text."""
     meta = json.loads((out / "meta.json").read_text())
+    budgets = [int(b) for b in meta["args"]["budgets"].split(",")]  # the page's protocol
     # A stopped run renders what it measured; the page names what is missing.
     results = {(s, t): json.loads((out / f"bench-{s}-t{t:g}.json").read_text())
                for s in sets for t in temps if (out / f"bench-{s}-t{t:g}.json").is_file()}

@@ -162,7 +162,7 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
 }
 
 # The iterated loop of DESIGN.md §1.4 ("learning to draft the trees you verify"), ROUNDS rounds. Round r:
-#   1. on-policy trees of the round's start drafter (round 1: the treespark stage's drafter; then round r-1's
+#   1. on-policy trees of the round's start drafter (round 1: ITER_START, the treespark stage's drafter; then round r-1's
 #      seed-0 treespark drafter), treespark method at BUDGET: at ITER_TEMP=0 (and REPLAY=1) replayed from every
 #      plain train rollout of the ONPOLICY sets (whole budget every round); otherwise on-policy rollouts of
 #      ITER_LIMIT GSM8K training prompts (a new window each round), every verified tree logged;
@@ -188,6 +188,9 @@ ITER_TEMP=${ITER_TEMP:-0}       # temperature of the on-policy rollouts and of t
 # A round fine-tunes a trained drafter: at the stages' 3e-4 and with GSM8K only from the round's window, round 1
 # lowered its start's pooled offline tree τ (2.496 → 2.43–2.46 at temperature 1, docs/training.md).
 ITER_LR=${ITER_LR:-1e-4}
+# round 1's start drafter; on a machine without this DATA's treespark stage, the shipped one (bfloat16):
+# ITER_START=treespark_jax/drafters/smollm2-135m/treespark
+ITER_START=${ITER_START:-$DATA/treespark/drafter}
 iter_score() {  # offline and online τ of drafter $1 into $2/{eval,bench}.json (each kept once written)
   [ -f "$2/eval.json" ] || $T eval-drafter --drafter "$1" --rollouts $(plain eval) --method treespark \
     --budget "$BUDGET" --json-out "$2/eval.json"
@@ -196,7 +199,7 @@ iter_score() {  # offline and online τ of drafter $1 into $2/{eval,bench}.json 
     --temperature "$ITER_TEMP" --json-out "$2/bench.json"
 }
 stage_iterate() {
-  local start="$DATA/treespark/drafter"
+  local start="$ITER_START"
   for r in $(seq 1 "$ROUNDS"); do
     local dir="$DATA/iter-r$r"
     if [ "$ITER_TEMP" != 0 ]; then dir="$DATA/iter-t$ITER_TEMP-r$r"; fi

@@ -76,7 +76,7 @@ def test_render_writes_tables_verdicts_and_reproduction(measuring, page, tables,
     (out / "reproduction.json").write_text(json.dumps(rep))
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{page.README_START}\nold\n{page.README_END}\noutro\n")
-    md = page.render(["gsm8k"], [0.0], [4], out, tmp_path / "data", tmp_path / "RESULTS.md", readme)
+    md = page.render(["gsm8k"], [0.0], out, tmp_path / "data", tmp_path / "RESULTS.md", readme)
     assert (tmp_path / "RESULTS.md").read_text() == md
     assert (tmp_path / "results_tau_speedup.png").stat().st_size > 0
     assert "treespark τ > dspark τ at budgets [4] of [4]" in md
@@ -95,6 +95,10 @@ def test_render_writes_tables_verdicts_and_reproduction(measuring, page, tables,
     assert ablation.LOSS_ABLATION_NOT_RUN in md  # no ablation runs under tmp_path
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("outro\n") and "old" not in text
+    # a table of the page's protocol not measured yet says so and how to add it
+    md = page.render(["gsm8k", "mtbench"], [0.0], out, tmp_path / "data", tmp_path / "RESULTS.md")
+    assert ("## mtbench, temp 0\n\nNot measured yet at this page's protocol (or the run was stopped before it). "
+            "`python experiments/results.py --sets mtbench --temps 0` with the page's other flags adds it.") in md
     assert "| treespark | 4 | 1.90 | 1.20 ± 0.10 |" in text
     assert "[TAU_EQUAL_BUDGET.md](experiments/TAU_EQUAL_BUDGET.md)" in text
 
@@ -127,7 +131,7 @@ def test_a_checkout_without_the_ablation_runs_keeps_the_pages_loss_table_marked_
     results_md = tmp_path / "RESULTS.md"
 
     def render():
-        return page.render(["gsm8k"], [0.0], [4], tmp_path / "results", tmp_path / "data", results_md)
+        return page.render(["gsm8k"], [0.0], tmp_path / "results", tmp_path / "data", results_md)
 
     assert ablation.LOSS_ABLATION_NOT_RUN in render()  # no table anywhere yet
     table = "| variant | steps |\n|---|---|\n| start | 0 |"
@@ -276,7 +280,7 @@ def test_iterated_loop_table_compares_each_seed_with_its_control(iterate, page, 
     # rendered into the page; a checkout without the runs keeps it, marked as carried over
     _measured_page(tmp_path)
     results_md = tmp_path / "RESULTS.md"
-    assert table in page.render(["gsm8k"], [0.0], [4], tmp_path / "results", data, results_md)
-    md = page.render(["gsm8k"], [0.0], [4], tmp_path / "results", tmp_path / "elsewhere", results_md)
+    assert table in page.render(["gsm8k"], [0.0], tmp_path / "results", data, results_md)
+    md = page.render(["gsm8k"], [0.0], tmp_path / "results", tmp_path / "elsewhere", results_md)
     assert f"{iterate.ITERATE_HEAD}\n\n{iterate.carried_note('iterate')}\n\nEach round" in md  # the prose kept too
     assert md.count(iterate.carried_note("iterate")) == 1 and f"{table}\n\n## Reproduction" in md
