@@ -24,7 +24,8 @@ from edge_calibration import summary  # noqa: E402
 from results_tables import carried_note, carried_section, fmt  # noqa: E402
 
 ITERATE_HEAD = "## Iterated on-policy loop"  # the heading templates/RESULTS.md.j2 gives the section
-ITERATE_NOT_RUN = "Not run yet: `experiments/train_drafters.sh iterate` makes it."
+ITERATE_NOT_RUN = ("No run of it is under `--data` in this checkout: `experiments/train_drafters.sh iterate` makes "
+                   "it. docs/training.md reports the rounds run so far.")
 VARIANTS = ("treespark", "control")
 # what the comparison reads (keys of _scores): offline replayed τ (greedy decoding replayed along the eval rollouts,
 # what bench measures), offline tree τ (anchor mean), offline chain τ, online τ
