@@ -43,8 +43,7 @@ def _scores(folder: Path) -> dict | None:
     online = next((r["tau"] for r in bench["rows"] if r["method"] == "treespark"), None) if bench else None
     ece = summary(ev["calibration"])["ece"] if ev.get("calibration") else None
     return {"chain_tau": ev["chain_tau"], "tree_tau": ev.get("tree_tau"), "replayed_tau": ev.get("replayed_tau"),
-            "budget": ev.get("budget"),
-            "online_tau": online, "ece": ece}
+            "budget": ev.get("budget"), "online_tau": online, "ece": ece}
 
 
 def temperatures(data: Path) -> list[str]:

@@ -59,8 +59,9 @@ self_rollouts() {
   if [ "$SELF" -gt 0 ]; then echo "$DATA/rollouts-self$SELF-train"; fi
   if [ "$SELF_CODE" -gt 0 ]; then echo "$DATA/rollouts-selfcode$SELF_CODE-train"; fi
 }
+sampled_dir() { echo "$DATA/rollouts-$1-train-t$SAMPLE_TEMP-s$2"; }  # set $1's sampled answers of seed $2
 sampled() {
-  for s in $SAMPLE_SETS; do for i in $(seq 1 "$SAMPLES"); do echo "$DATA/rollouts-$s-train-t$SAMPLE_TEMP-s$i"; done; done
+  for s in $SAMPLE_SETS; do for i in $(seq 1 "$SAMPLES"); do sampled_dir "$s" "$i"; done; done
 }
 train_plain() { plain train; self_rollouts; sampled; }  # the sets' train splits, the self-generated prompts, samples
 
@@ -84,7 +85,7 @@ stage_sampled() {  # SAMPLES sampled answers to each training prompt of SAMPLE_S
   for s in $SAMPLE_SETS; do
     for i in $(seq 1 "$SAMPLES"); do
       $T rollout --prompts "$s" --split train ${LIMIT:+--limit "$LIMIT"} --max-new-tokens "$NEW" --batch-size "$RBATCH" \
-        --temperature "$SAMPLE_TEMP" --seed "$i" --out "$DATA/rollouts-$s-train-t$SAMPLE_TEMP-s$i"
+        --temperature "$SAMPLE_TEMP" --seed "$i" --out "$(sampled_dir "$s" "$i")"
     done
   done
 }

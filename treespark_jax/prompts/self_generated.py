@@ -137,14 +137,15 @@ def check_turn_sampling(max_new_tokens: int, temperature: float, top_p: float, s
 
 def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: int = 64,
                            batch_size: int = 8, temperature: float = 1.0, top_p: float = 1.0,
-                           system: str | None = None, user_prefix: str = "", drop_unfinished: bool = False, max_rows: int | None = None,
+                           system: str | None = None, user_prefix: str = "", drop_unfinished: bool = False,
+                           max_rows: int | None = None,
                            progress: str | Path | None = None, target: dict[str, Any] | None = None
                            ) -> list[PromptRecord]:
     """User turns written by the instruct target itself from its own chat template (DESIGN §1.4).
 
     The prompt is :func:`user_turn_prefix` followed by ``user_prefix``; the target samples from it
-    (at ``temperature`` and ``top_p``, 1 and 1 by default) until a stop token (its end-of-turn) or ``max_new_tokens``. Each
-    text is ``user_prefix`` plus the sample cut at its first special token, stripped; empty
+    (at ``temperature`` and ``top_p``, 1 and 1 by default) until a stop token (its end-of-turn) or
+    ``max_new_tokens``. Each text is ``user_prefix`` plus the sample cut at its first special token, stripped; empty
     samples and repeats are dropped; rows are drawn in whole batches of ``batch_size`` until ``n``
     prompts are kept or at least ``max_rows`` rows were drawn. A ``user_prefix`` steers the kind
     of prompt, as Magpie's task-specific pre-queries do (Xu et al. 2024): with a set's wrapper
@@ -186,8 +187,8 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       warning) if ``max_rows`` rows did not yield ``n`` distinct non-empty turns.
 
     Raises:
-      ValueError: bad arguments (``temperature`` ≤ 0 among them), a ``user_prefix`` holding a special token, a chat template
-        without a user-turn header, or a ``progress`` file written with other settings or
+      ValueError: bad arguments (``temperature`` ≤ 0 among them), a ``user_prefix`` holding a special
+        token, a chat template without a user-turn header, or a ``progress`` file written with other settings or
         ``target``, or open in another process.
     """
     from treespark_jax.decode.engine import Engine  # the decode stack is only needed here
@@ -207,8 +208,8 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
     log = None
     if progress is not None:  # n and max_rows may change on resume: the rows drawn do not depend on them
         log = _Progress(Path(progress), dict(seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                             temperature=temperature, top_p=top_p, system=system, user_prefix=user_prefix,
-                                             drop_unfinished=drop_unfinished, target=target))
+                                             temperature=temperature, top_p=top_p, system=system,
+                                             user_prefix=user_prefix, drop_unfinished=drop_unfinished, target=target))
     # Every usable turn of a drawn batch is kept, in row order, and the first n are returned, so
     # a progress file serves a resumed run with a larger n as well.
     kept: dict[str, PromptRecord] = {} if log is None else log.kept
