@@ -214,7 +214,7 @@ def test_tau_equal_budget_page_compares_tau_per_budget_and_leaves_speed_out():
     rows[2] |= {"tau_per_depth": [0.6, 0.5, None, 0.25]}
     data = {"protocol": {"sets": ["gsm8k"], "limit": 4, "max_new_tokens": 64, "budgets": [4, 8], "temp": 0.0,
                          "skip": False, "stop": False},
-            "machine": "cpu (x86_64, 2 cores)", "others_cpu": 0.01, "date": "2026-11-30", "minutes": 9.0,
+            "machine": "cpu (x86_64, 2 cores)", "others_cpu": [0.01], "date": "2026-11-30", "minutes": 9.0,
             "rows": {"gsm8k": rows}}
     text = page.render(data, "experiments/results/tau-equal-budget.json")
     assert ("`python experiments/tau_equal_budget.py --sets gsm8k --limit 4 --max-new-tokens 64 --budgets 4,8` "
@@ -224,6 +224,27 @@ def test_tau_equal_budget_page_compares_tau_per_budget_and_leaves_speed_out():
     assert "- treespark τ > dspark τ at budgets [4] of [4, 8]" in text
     assert "- treespark τ > ddtree τ at budgets [4] of [4, 8]" in text
     assert "speedup" not in text.split("## gsm8k")[1] and "1.30" not in text
+
+
+def test_tau_equal_budget_runs_over_other_sets_add_up_at_the_same_protocol():
+    page = load_script("experiments/tau_equal_budget.py")
+
+    def run(sets, tau, limit=16, others=0.01, minutes=30.0):
+        return {"protocol": {"sets": sets, "limit": limit, "max_new_tokens": 128, "budgets": [4, 8],
+                             "temperature": 0.0, "skip_drafting": False, "cost_aware_stop": False},
+                "machine": "cpu", "others_cpu": [others], "date": "2026-12-05", "minutes": minutes,
+                "rows": {s: [_row("treespark", 4, tau, 1.3, 0.1)] for s in sets}}
+
+    first = run(["gsm8k", "humaneval"], 2.0)
+    merged = page.merge(first, run(["humaneval", "mtbench"], 1.5, others=0.02, minutes=20.0))
+    assert merged["protocol"]["sets"] == ["gsm8k", "humaneval", "mtbench"] == list(merged["rows"])
+    assert [merged["rows"][s][0]["tau"] for s in merged["rows"]] == [2.0, 1.5, 1.5]  # measured again: new rows
+    assert merged["others_cpu"] == [0.01, 0.02] and merged["minutes"] == 50.0
+    text = page.render(merged, "tau.json")
+    assert "--sets gsm8k,humaneval,mtbench --limit 16" in text and "## gsm8k" in text and "## mtbench" in text
+    other = run(["mtbench"], 1.5, limit=4)  # another protocol starts the page again
+    assert page.merge(first, other) is other and page.merge(None, first) is first
+    assert list(first["rows"]) == ["gsm8k", "humaneval"]  # the old page is not modified
 
 
 def _scored(folder, chain, tree, online, steps=None, replayed=None):
