@@ -332,3 +332,19 @@ def test_draft_vocabulary_columns_give_the_distances_of_a_drafter_with_no_mass_o
         np.testing.assert_allclose(tb["tree_tv"], ta["tree_tv"], rtol=1e-10)
         if rule != "greedy":  # a greedy row whose argmax lies outside has no coverage term when cut
             np.testing.assert_allclose(tb["tree_coverage"], ta["tree_coverage"], rtol=1e-10)
+
+
+def test_markov_term_gradient_equals_autodiff_of_its_formula():
+    """The hand-written VJP of ``markov_term`` (repeated parents accumulate into ``dE``) equals
+    autodiff of ``E[tokens] @ W``, and so does the forward."""
+    parent, child, g = normal(11, 3), normal(3, 7), normal(9, 7)
+    tokens = jnp.asarray([0, 4, 4, 10, 2, 4, 0, 7, 10])
+
+    def pulled(f):
+        out, vjp = jax.vjp(lambda e, w: f(e, tokens, w), parent, child)
+        return (out, *vjp(g))
+
+    mine, plain = pulled(chain_losses.markov_term), pulled(lambda e, t, w: e[t] @ w)
+    for a, b in zip(mine, plain):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(mine[1])[4]).sum() > 0 and np.all(np.asarray(mine[1])[[1, 3, 5]] == 0)

@@ -224,16 +224,58 @@ def align_blocks(tokens: Int[Array, "T"], loss_mask: Bool[Array, "T"], anchors: 
                           target=None if target is None else target[rows])
 
 
-def markov_logits(base: Float[Array, "B P C"], prev_tokens: Int[Array, "B P"],
-                  parent: Float[Array, "V R"], child: Float[Array, "R C"]) -> Float[Array, "B P C"]:
-    """Teacher-forced child logits ``U_j + A(t_prev, ·)`` with ``A(t, x) = E[t] · W[:, x]`` (full V).
+@jax.custom_vjp
+def markov_term(parent: Float[Array, "V R"], tokens: Int[Array, "N"], child: Float[Array, "R C"]
+                ) -> Float[Array, "N C"]:
+    """The Markov head's logit term ``A(t, ·) = E[t] · W`` of each parent token ``t`` (DSpark).
+
+    Its gradient is written out rather than left to autodiff: ``dW = E[tokens]ᵀ · g`` with the
+    small ``[R, N]`` factor transposed, and ``dE`` scattered into ``[V, R]``. Autodiff's
+    ``dot_general`` led XLA's CPU layout assignment to transpose ``g`` (``[N, C]``, the largest
+    array of the step) and to scatter ``dE`` transposed; at batch 4 × 512 with 16 anchors the train
+    step went from 375 to 348 ms with a draft vocabulary of 8,192 and from 1,184 to 995 ms with
+    the whole one (``experiments/bench_train.py``, docs/training.md).
 
     Args:
-      base: ``[B, P, V]`` base logits ``U_j``.
-      prev_tokens: ``[B, P]`` int gold token at depth ``j`` (``BlockAlignment.prev_tokens``).
-      parent, child: the Markov head's ``E [V, R]`` and ``W [R, V]``.
+      parent: ``[V, R]`` the head's parent factor ``E``.
+      tokens: ``[N]`` int parent token ids.
+      child: ``[R, C]`` its child factor ``W`` on the logit columns.
+
+    Returns:
+      ``[N, C]`` in ``child``'s dtype.
     """
-    return base + jnp.einsum("BPR,RV->BPV", parent[prev_tokens], child).astype(base.dtype)
+    return parent[tokens] @ child
+
+
+def _markov_term_fwd(parent, tokens, child):
+    rows = parent[tokens]
+    return rows @ child, (rows, tokens, child, parent.shape[0])
+
+
+def _markov_term_bwd(res, g):
+    rows, tokens, child, vocab = res
+    d_rows = g @ child.T
+    d_parent = jnp.zeros((vocab, rows.shape[1]), d_rows.dtype).at[tokens].add(d_rows)
+    # The barrier keeps the transposed [R, N] factor materialised, so the product reads g as laid out.
+    d_child = jax.lax.optimization_barrier(rows.T) @ g
+    return d_parent, None, d_child
+
+
+markov_term.defvjp(_markov_term_fwd, _markov_term_bwd)
+
+
+def markov_logits(base: Float[Array, "... C"], prev_tokens: Int[Array, "..."],
+                  parent: Float[Array, "V R"], child: Float[Array, "R C"]) -> Float[Array, "... C"]:
+    """Teacher-forced child logits ``U_j + A(t_prev, ·)`` with ``A(t, x) = E[t] · W[:, x]``.
+
+    Args:
+      base: ``[..., C]`` base logits ``U_j`` (``C``: the vocabulary or the draft vocabulary).
+      prev_tokens: ``[...]`` int parent token of each row (``BlockAlignment.prev_tokens`` on the
+        gold chain).
+      parent, child: the Markov head's ``E [V, R]`` and ``W [R, C]`` (``R = 0`` allowed).
+    """
+    term = markov_term(parent, prev_tokens.reshape(-1), child)
+    return base + term.reshape(*prev_tokens.shape, -1).astype(base.dtype)
 
 
 def chain_acceptance(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"],

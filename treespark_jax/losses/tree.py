@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from treespark_jax.config import TREE_RULES, greedy_tree, tree_temperature
-from treespark_jax.losses.chain import (LossConfig, as_float, binary_cross_entropy, dspark, l1_distance,
+from treespark_jax.losses.chain import (LossConfig, as_float, binary_cross_entropy, dspark, l1_distance, markov_logits,
                                         target_log_probs, weighted_mean)
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.accept_rejection import node_rejection
@@ -120,8 +120,7 @@ def tree_child_logits(base: Float[Array, "batch_trees P C"], anchor: Int[Array, 
     tokens = jnp.concatenate([anchor[:, None], tree.tokens], axis=1).astype(jnp.int32)
     depth = jnp.concatenate([jnp.zeros_like(tree.depths[:, :1]), tree.depths], axis=1)
     slot = jnp.clip(depth, 0, base.shape[1] - 1)
-    rows = jnp.take_along_axis(base, slot[..., None], axis=1)
-    return rows + jnp.einsum("TUR,RV->TUV", markov_parent[tokens], markov_child).astype(base.dtype)
+    return markov_logits(jnp.take_along_axis(base, slot[..., None], axis=1), tokens, markov_parent, markov_child)
 
 
 def tree_edge_logits(child_logits: Float[Array, "batch_trees rows C"], tree: DraftTree,
