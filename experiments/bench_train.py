@@ -5,8 +5,9 @@ The step is the real one of ``treespark train`` (``train/step.py``: packed draft
 device, run side by side in one process on the same batch:
 
 - ``whole vocabulary``: both LM heads (the drafter's and the target's, recomputed for ``p_t``)
-  over all ``V`` columns — the step as it was before draft-vocabulary training (commit e910eea;
-  the same operations: ``draft_head=None`` keeps them);
+  over all ``V`` columns (``draft_head=None``) — the step before draft-vocabulary training, with
+  today's code otherwise (commit e910eea's own step, run by its own ``bench_train.py`` from a
+  worktree, is slower still: docs/training.md);
 - ``draft vocabulary K``: both heads over the ``K`` columns inference drafts from, the target
   normalised by the logsumexp the rollout stores (``train/objective.py``).
 
