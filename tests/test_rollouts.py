@@ -23,7 +23,10 @@ from flax import nnx
 
 from treespark_jax.cli import main
 from treespark_jax.config import default_layer_ids
+from treespark_jax.decode import jitted
+from treespark_jax.decode.ar import compaction_sizes
 from treespark_jax.decode.engine import Engine
+from treespark_jax.decode.feature_log import row_features
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.checkpoint import TargetBinding, save_drafter
 from treespark_jax.drafter.model import BlockDrafter
@@ -164,6 +167,32 @@ def test_records_round_trip_to_the_targets_recomputed_features(baseline, target,
     assert sorted(r["prompt_id"] for r in ds) == [p.id for p in prompts]
     assert manifest["records"] == 4 and manifest["tokens"] == sum(len(rs[i]["tokens"]) for i in range(4))
     assert manifest["target"]["weights_sha256"] == TargetBinding.of(target).weights_sha256
+
+
+def test_rows_moved_to_smaller_batches_as_they_finish_keep_their_tokens_and_features(target, engine):
+    """Rows of 16 that finish at 16 different steps (per-row caps 1..16) go through batches of 16, 8
+    and 4 (``compaction_sizes``); every row still gets the tokens greedy AR gives it alone and the
+    features of a separate forward over its own sequence."""
+    assert compaction_sizes(16) == (16, 8, 4) and compaction_sizes(8, 8) == (8,) and compaction_sizes(6) == (6,)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, target.cfg.vocab_size, int(n)).tolist() for n in rng.integers(3, 12, 16)]
+    caps = rng.permutation(np.arange(1, 17))
+    ids = default_layer_ids(target.cfg.n_layers)
+    args, capacity, out_size, requests = engine.pad(prompts, 16, 0.0, 1.0, 0)
+    args = (*args[:-1], requests.replace(max_new=jnp.asarray(caps, jnp.int32)))
+    state, log = jitted.logged_ar_program(*args, capacity=capacity, out_size=out_size, greedy=True, layer_ids=ids,
+                                          layout=None)
+    out, n_out, log = jax.device_get((state.out, state.n_out, log))
+    alone = [engine.generate([p], 16)[0][0] for p in prompts]
+    assert any(len(a) == 16 for a in alone)  # a row that runs to its cap, so the caps stagger the finishes
+    reference = _reference(target.model, ids)
+    for i, (p, cap, full) in enumerate(zip(prompts, caps, alone)):
+        tokens = out[i, : n_out[i]].tolist()
+        assert tokens == full[:cap]
+        feats, hidden = row_features(log, i, len(p) + len(tokens))
+        ref_feats, ref_hidden = reference(p + tokens)
+        for got, ref in ((feats, ref_feats), (hidden, ref_hidden)):
+            np.testing.assert_allclose(got.astype(np.float32), ref, rtol=2 ** -8 + 1e-4, atol=1e-5 * np.abs(ref).max())
 
 
 def test_resume_after_an_interruption_gives_the_same_records(tmp_path, monkeypatch, baseline, target, prompts,

@@ -68,30 +68,69 @@ def ar_loop(model: Decoder, state: GenState, requests: Requests, stop_after: Int
     return jax.lax.while_loop(cond, body, state)
 
 
+MIN_COMPACT_ROWS = 4
+"""The smallest batch ``logged_ar_loop`` moves its unfinished rows into."""
+
+
+def compaction_sizes(batch: int, row_multiple: int = 1) -> tuple[int, ...]:
+    """The batch sizes ``logged_ar_loop`` runs at: ``batch``, then halves of it while a half is a
+    whole number of rows, at least ``MIN_COMPACT_ROWS`` and a multiple of ``row_multiple`` (the
+    devices a mesh splits rows over)."""
+    sizes = [batch]
+    while sizes[-1] % 2 == 0 and (half := sizes[-1] // 2) >= max(MIN_COMPACT_ROWS, row_multiple) \
+            and half % row_multiple == 0:
+        sizes.append(half)
+    return tuple(sizes)
+
+
 def logged_ar_loop(model: Decoder, state: GenState, log: FeatureLog, requests: Requests, greedy: bool,
-                   layer_ids: tuple[int, ...], constrain: Callable | None = None) -> tuple[GenState, FeatureLog]:
+                   layer_ids: tuple[int, ...], constrain: Callable | None = None, row_multiple: int = 1
+                   ) -> tuple[GenState, FeatureLog]:
     """``ar_loop`` to the end that also logs every fed row's features (``decode.feature_log``).
 
     Each step logs its anchor at the position it is fed at; one more step after the loop logs
     the rows' last tokens (it neither emits nor advances a finished row, and its state is not
     kept).
 
+    Rows finish at different steps, and a step's cost grows with its rows (a batch of rollouts is
+    compute-bound), so once no more than half the rows are unfinished the loop moves them into a
+    batch of half the size, and so on (``compaction_sizes``): one ``while_loop`` per size, all in
+    one program, each ending with the logging step so no finished row's last token is lost. At
+    the end every row's outputs and log go back to its own row. A row computed in a smaller batch
+    goes through the same operations, so its tokens are those of ``ar_loop`` up to the summation
+    order of a matmul with fewer rows.
+
     Args:
       model, state, requests, greedy: as ``ar_loop`` (which runs until every row is done).
       log: the log after prefill (``FeatureLog.of_prefill``).
       layer_ids: static target layers of the logged features.
       constrain: pins the layout of the loop carry (a mesh's sharding constraints).
+      row_multiple: static; every batch size is a multiple of it (the mesh's ``data`` devices).
 
     Returns:
-      ``(state, log)``: the final state and the log of every position of every row.
+      ``(state, log)``: the final state (its ``out``, ``n_out``, ``done`` and ``steps``; the KV
+      cache is the full batch's as it was at the first move) and the log of every position of
+      every row.
     """
     pin = constrain or (lambda x: x)
 
-    def step(carry):
-        s, log = carry
-        positions = s.cache.lengths
-        s, output, _ = target_step(model, s, requests, greedy, layer_ids)
-        return pin((s, log.record(positions, output)))
+    def run(state, log, requests, until):  # steps while more than ``until`` rows are unfinished
+        def step(carry):
+            s, lg = carry
+            positions = s.cache.lengths
+            s, output, _ = target_step(model, s, requests, greedy, layer_ids)
+            return pin((s, lg.record(positions, output)))
 
-    state, log = jax.lax.while_loop(lambda c: jnp.any(~c[0].done), step, (state, log))
-    return state, step((state, log))[1]
+        state, log = jax.lax.while_loop(lambda c: jnp.sum(~c[0].done) > until, step, (state, log))
+        return state, step((state, log))[1]
+
+    levels = []
+    for size in compaction_sizes(state.done.shape[0], row_multiple)[1:]:
+        state, log = run(state, log, requests, size)
+        keep = jnp.argsort(state.done.astype(jnp.int32), stable=True)[:size]  # the unfinished rows first
+        levels.append((state, log, keep))
+        (state, log), requests = pin((state.rows(keep), log.rows(keep))), requests.rows(keep)
+    state, log = run(state, log, requests, 0)
+    for full_state, full_log, keep in reversed(levels):
+        state, log = full_state.put_outputs(keep, state), full_log.put_rows(keep, log)
+    return state, log

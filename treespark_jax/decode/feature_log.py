@@ -61,6 +61,15 @@ class FeatureLog:
         pad = ((0, 0), (0, capacity - output.hidden.shape[1]), (0, 0))
         return cls(features=jnp.pad(_bits(output.features), pad), hidden=jnp.pad(_bits(output.hidden), pad))
 
+    def rows(self, idx: Int[Array, "R"]) -> "FeatureLog":
+        """The log of rows ``idx`` only (``R`` rows, in that order)."""
+        return FeatureLog(features=self.features[idx], hidden=self.hidden[idx])
+
+    def put_rows(self, idx: Int[Array, "R"], part: "FeatureLog") -> "FeatureLog":
+        """This log with rows ``idx`` replaced by ``part``'s (a log of those rows)."""
+        return FeatureLog(features=self.features.at[idx].set(part.features),
+                          hidden=self.hidden.at[idx].set(part.hidden))
+
     def record(self, positions: Int[Array, "B"], output: DecoderOutput) -> "FeatureLog":
         """Writes one step's row (``output`` of ``T = 1`` token per row) at ``positions``."""
         rows = jnp.arange(positions.shape[0])

@@ -29,6 +29,11 @@ class Requests:
     max_new: Int[Array, "B"]
     stop_ids: Int[Array, "stops"]
 
+    def rows(self, idx: Int[Array, "R"]) -> "Requests":
+        """The settings of rows ``idx`` only (the stop ids are shared)."""
+        return self.replace(temperature=self.temperature[idx], top_p=self.top_p[idx], keys=self.keys[idx],
+                            max_new=self.max_new[idx])
+
 
 @pytree_dataclass
 class GenState:
@@ -49,6 +54,17 @@ class GenState:
     n_out: Int[Array, "B"]
     done: Bool[Array, "B"]
     steps: Int[Array, ""]
+
+    def rows(self, idx: Int[Array, "R"]) -> "GenState":
+        """The state of rows ``idx`` only (``R`` rows, in that order; ``steps`` is shared)."""
+        return self.replace(cache=self.cache.rows(idx), anchor=self.anchor[idx], out=self.out[idx],
+                            n_out=self.n_out[idx], done=self.done[idx])
+
+    def put_outputs(self, idx: Int[Array, "R"], part: "GenState") -> "GenState":
+        """This state with rows ``idx``'s outputs (``out``, ``n_out``, ``done``) and ``steps`` from
+        ``part``, a state of those rows (``rows(idx)`` run further); the cache is left as it is."""
+        return self.replace(out=self.out.at[idx].set(part.out), n_out=self.n_out.at[idx].set(part.n_out),
+                            done=self.done.at[idx].set(part.done), steps=part.steps)
 
 
 def row_keys(requests: Requests, purpose: int, counter: Int[Array, "B"]) -> Key[Array, "B"]:

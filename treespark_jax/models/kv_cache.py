@@ -53,6 +53,10 @@ class KVCache:
         """B, rows."""
         return self.k.shape[1]
 
+    def rows(self, idx: Int[Array, "R"]) -> "KVCache":
+        """The cache of rows ``idx`` only (``R`` rows, in that order)."""
+        return KVCache(k=self.k[:, idx], v=self.v[:, idx], lengths=self.lengths[idx])
+
 
 MIN_KEY_WIDTH = 256
 # Widths per octave: a call reads at most max(MIN_KEY_WIDTH, width / WIDTHS_PER_OCTAVE) slots past
