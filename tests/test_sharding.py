@@ -473,3 +473,51 @@ def test_shipped_drafter_on_a_data2_model4_mesh_equals_one_device_up_to_near_tie
         assert len(rows) == 4
         for d in rows:
             assert d is None or d["near_tie"], d
+
+
+MOVED_ROWS_SCRIPT = textwrap.dedent('''
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from treespark_jax.decode import jitted
+    from treespark_jax.decode.engine import Engine
+    from treespark_jax.decode.feature_log import row_features
+    from treespark_jax.mesh import make_mesh
+    from treespark_jax.models.load import load_target
+
+    target = load_target(sys.argv[1])
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, target.cfg.vocab_size, int(n)).tolist() for n in rng.integers(3, 12, 16)]
+    caps = jnp.asarray(rng.permutation(np.arange(1, 17)), jnp.int32)  # 16 rows finishing at 16 steps
+    runs = []
+    for mesh in (None, make_mesh(sys.argv[2])):
+        engine = Engine(target.model, target.tokenizer.stop_ids, mesh=mesh)
+        args, capacity, out_size, requests = engine.pad(prompts, 16, 0.0, 1.0, 0)
+        requests = requests.replace(max_new=caps)
+        with engine.mesh_context():
+            state, log = jitted.logged_ar_program(
+                *args[:-1], requests if engine.layout is None else engine.layout.place(requests), capacity=capacity,
+                out_size=out_size, greedy=True, layer_ids=(1, 2), layout=engine.layout)
+        runs.append(jax.device_get((state.out, state.n_out, log)))
+    (out, n_out, log), (mesh_out, mesh_n_out, mesh_log) = runs
+    assert np.array_equal(n_out, mesh_n_out) and np.array_equal(out, mesh_out)
+    assert len(set(n_out.tolist())) >= 12  # rows finish at a dozen different steps (a stop token may come first)
+    for i, p in enumerate(prompts):
+        for a, b in zip(row_features(log, i, len(p) + int(n_out[i])), row_features(mesh_log, i, len(p) + int(n_out[i]))):
+            np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2 ** -7, atol=1e-3)
+    print("ok")
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.multidevice
+@pytest.mark.parametrize("mesh", ["data=2,model=2", "data=8"])
+def test_rollout_rows_moved_to_smaller_batches_on_a_mesh_equal_one_device(tiny_run, mesh):
+    """The logged loop's moves to batches of 8 and 4 rows (``compaction_sizes`` with the mesh's data
+    devices: 16, 8, 4 on data=2; 16, 8 on data=8) give one device's tokens and features."""
+    hf, _ = tiny_run
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               TREESPARK_JAX_CACHE="off")
+    proc = subprocess.run([sys.executable, "-c", MOVED_ROWS_SCRIPT, str(hf), mesh], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "ok"
