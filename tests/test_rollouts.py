@@ -173,7 +173,7 @@ def test_rows_moved_to_smaller_batches_as_they_finish_keep_their_tokens_and_feat
     """Rows of 16 that finish at 16 different steps (per-row caps 1..16) go through batches of 16, 8
     and 4 (``compaction_sizes``); every row still gets the tokens greedy AR gives it alone and the
     features of a separate forward over its own sequence."""
-    assert compaction_sizes(16) == (16, 8, 4) and compaction_sizes(8, 8) == (8,) and compaction_sizes(6) == (6,)
+    assert compaction_sizes(16) == (16, 8, 4) and compaction_sizes(4) == (4,) and compaction_sizes(6) == (6,)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(5, target.cfg.vocab_size, int(n)).tolist() for n in rng.integers(3, 12, 16)]
     caps = rng.permutation(np.arange(1, 17))

@@ -510,10 +510,11 @@ MOVED_ROWS_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.slow
 @pytest.mark.multidevice
-@pytest.mark.parametrize("mesh", ["data=2,model=2", "data=8"])
+@pytest.mark.parametrize("mesh", ["model=8", "data=2,model=2"])
 def test_rollout_rows_moved_to_smaller_batches_on_a_mesh_equal_one_device(tiny_run, mesh):
-    """The logged loop's moves to batches of 8 and 4 rows (``compaction_sizes`` with the mesh's data
-    devices: 16, 8, 4 on data=2; 16, 8 on data=8) give one device's tokens and features."""
+    """One device moves 16 rows to batches of 8 and 4 as they finish (``compaction_sizes``); so does
+    a mesh without a data axis (model=8), while rows split over data devices stay in place: both
+    give one device's tokens and features."""
     hf, _ = tiny_run
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
                TREESPARK_JAX_CACHE="off")

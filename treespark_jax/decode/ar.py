@@ -72,19 +72,17 @@ MIN_COMPACT_ROWS = 4
 """The smallest batch ``logged_ar_loop`` moves its unfinished rows into."""
 
 
-def compaction_sizes(batch: int, row_multiple: int = 1) -> tuple[int, ...]:
+def compaction_sizes(batch: int) -> tuple[int, ...]:
     """The batch sizes ``logged_ar_loop`` runs at: ``batch``, then halves of it while a half is a
-    whole number of rows, at least ``MIN_COMPACT_ROWS`` and a multiple of ``row_multiple`` (the
-    devices a mesh splits rows over)."""
+    whole number of rows and at least ``MIN_COMPACT_ROWS``."""
     sizes = [batch]
-    while sizes[-1] % 2 == 0 and (half := sizes[-1] // 2) >= max(MIN_COMPACT_ROWS, row_multiple) \
-            and half % row_multiple == 0:
-        sizes.append(half)
+    while sizes[-1] % 2 == 0 and sizes[-1] // 2 >= MIN_COMPACT_ROWS:
+        sizes.append(sizes[-1] // 2)
     return tuple(sizes)
 
 
 def logged_ar_loop(model: Decoder, state: GenState, log: FeatureLog, requests: Requests, greedy: bool,
-                   layer_ids: tuple[int, ...], constrain: Callable | None = None, row_multiple: int = 1
+                   layer_ids: tuple[int, ...], constrain: Callable | None = None, compact: bool = True
                    ) -> tuple[GenState, FeatureLog]:
     """``ar_loop`` to the end that also logs every fed row's features (``decode.feature_log``).
 
@@ -98,14 +96,16 @@ def logged_ar_loop(model: Decoder, state: GenState, log: FeatureLog, requests: R
     one program, each ending with the logging step so no finished row's last token is lost. At
     the end every row's outputs and log go back to its own row. A row computed in a smaller batch
     goes through the same operations, so its tokens are those of ``ar_loop`` up to the summation
-    order of a matmul with fewer rows.
+    order of a matmul with fewer rows. Rows split over a mesh's ``data`` devices stay in place
+    (``compact=False``): gathering them across devices makes XLA build each smaller batch whole on
+    every device and all-reduce it, which has not been measured against what it saves.
 
     Args:
       model, state, requests, greedy: as ``ar_loop`` (which runs until every row is done).
       log: the log after prefill (``FeatureLog.of_prefill``).
       layer_ids: static target layers of the logged features.
       constrain: pins the layout of the loop carry (a mesh's sharding constraints).
-      row_multiple: static; every batch size is a multiple of it (the mesh's ``data`` devices).
+      compact: static; ``False`` runs every step on the whole batch.
 
     Returns:
       ``(state, log)``: the final state (its ``out``, ``n_out``, ``done`` and ``steps``; the KV
@@ -125,7 +125,7 @@ def logged_ar_loop(model: Decoder, state: GenState, log: FeatureLog, requests: R
         return state, step((state, log))[1]
 
     levels = []
-    for size in compaction_sizes(state.done.shape[0], row_multiple)[1:]:
+    for size in compaction_sizes(state.done.shape[0])[1:] if compact else ():
         state, log = run(state, log, requests, size)
         keep = jnp.argsort(state.done.astype(jnp.int32), stable=True)[:size]  # the unfinished rows first
         levels.append((state, log, keep))

@@ -54,7 +54,7 @@ def _logged_ar(graphdef, weights, tokens, prompt_lens, active, requests, *, capa
     carry = _pin(layout, (state, FeatureLog.of_prefill(out, capacity)))
     return logged_ar_loop(model, *carry, requests, greedy, layer_ids,
                           constrain=None if layout is None else layout.constrain,
-                          row_multiple=1 if layout is None else dict(layout.mesh.shape).get("data", 1))
+                          compact=layout is None or layout.axis_size("data") == 1)
 
 
 def _spec_prefill(graphdef, weights, tokens, prompt_lens, active, requests, proposer_weights,

@@ -242,7 +242,7 @@ def markov_term(parent: Float[Array, "V R"], tokens: Int[Array, "N"], child: Flo
       child: ``[R, C]`` its child factor ``W`` on the logit columns.
 
     Returns:
-      ``[N, C]`` in ``child``'s dtype.
+      ``[N, C]`` in the promoted dtype of ``parent`` and ``child``.
     """
     return parent[tokens] @ child
 
@@ -255,10 +255,10 @@ def _markov_term_fwd(parent, tokens, child):
 def _markov_term_bwd(res, g):
     rows, tokens, child, vocab = res
     d_rows = g @ child.T
-    d_parent = jnp.zeros((vocab, rows.shape[1]), d_rows.dtype).at[tokens].add(d_rows)
+    d_parent = jnp.zeros((vocab, rows.shape[1]), rows.dtype).at[tokens].add(d_rows.astype(rows.dtype))
     # The barrier keeps the transposed [R, N] factor materialised, so the product reads g as laid out.
     d_child = jax.lax.optimization_barrier(rows.T) @ g
-    return d_parent, None, d_child
+    return d_parent, None, d_child.astype(child.dtype)
 
 
 markov_term.defvjp(_markov_term_fwd, _markov_term_bwd)
@@ -275,7 +275,7 @@ def markov_logits(base: Float[Array, "... C"], prev_tokens: Int[Array, "..."],
       parent, child: the Markov head's ``E [V, R]`` and ``W [R, C]`` (``R = 0`` allowed).
     """
     term = markov_term(parent, prev_tokens.reshape(-1), child)
-    return base + term.reshape(*prev_tokens.shape, -1).astype(base.dtype)
+    return base + term.reshape(*prev_tokens.shape, child.shape[-1]).astype(base.dtype)
 
 
 def chain_acceptance(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"],
