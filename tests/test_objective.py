@@ -1,6 +1,8 @@
 """The training objective on real (tiny) rollouts: every loss trains the right parameters, the
 drafter can overfit a handful of rollouts, and on-policy trees feed the treespark terms."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from treespark_jax.rollouts.records import make_record
 from treespark_jax.rollouts.writer import record_arrays, tree_log
 from treespark_jax.train.batches import batch_from_records
 from treespark_jax.train.evaluate import evaluate_drafter
-from treespark_jax.train.objective import objective
+from treespark_jax.train.objective import gold_chain, objective
 
 from tiny import tiny_decoder
 
@@ -207,3 +209,38 @@ def test_a_smaller_draft_vocabulary_trains_on_its_columns_only(target):
     outside = np.setdiff1d(np.arange(target.cfg.vocab_size), ids)
     child = np.asarray(grads["markov"]["child"])
     assert np.all(child[:, outside] == 0) and np.any(child[:, ids] != 0)
+
+
+def test_context_slots_give_the_whole_vocabulary_values_at_their_tokens(target):
+    """With 24 static ids and 6 context slots, every gold-chain column (static or slot) holds the
+    whole vocabulary's drafter logit, Markov child logit and target logit of its token; labels
+    name the column holding the gold token (none when no column does); the loss and gradients
+    are finite."""
+    drafter = make_drafter(target, "dspark")
+    drafter = BlockDrafter(dataclasses.replace(drafter.cfg, context_vocab=6), target.cfg, rngs=nnx.Rngs(0), std=0.1)
+    records = rollouts(target, n=3)
+    batch = jax.tree.map(jnp.asarray, batch_from_records(records, seq_len=32, n_anchors=4,
+                                                         rng=np.random.default_rng(4)))
+    head = TargetHead.of(target, jnp.float32)
+    static = np.random.default_rng(1).permutation(target.cfg.vocab_size)[:24]
+    cut_head = head.restricted(static)
+    whole = gold_chain(drafter, head, batch, drafter.packed(batch.tokens, batch.features, batch.anchors, head))
+    cut = gold_chain(drafter, head, batch, drafter.packed(batch.tokens, batch.features, batch.anchors, head, cut_head),
+                     cut_head)
+    slots = np.asarray(cut.slots)
+    assert cut.base.shape[-1] == 30 and np.any(slots >= 0)
+    tokens = np.concatenate([np.broadcast_to(static, (len(slots), 24)), slots], axis=1)  # [blocks, C]
+    held = tokens >= 0
+    for name in ("base", "q", "target_logits"):
+        want = np.take_along_axis(np.asarray(getattr(whole, name)), np.maximum(tokens, 0)[:, None, :], axis=2)
+        got = np.asarray(getattr(cut, name))
+        np.testing.assert_allclose(np.where(held[:, None], got, 0), np.where(held[:, None], want, 0), rtol=1e-5,
+                                   atol=1e-5, err_msg=name)
+        assert np.all(got[np.broadcast_to(~held[:, None], got.shape)] <= -1e8)
+    gold, labels = np.asarray(whole.labels), np.asarray(cut.labels)
+    in_cols = labels < 30
+    assert np.all(np.take_along_axis(tokens, np.minimum(labels, 29), axis=1)[in_cols] == gold[in_cols])
+    assert np.all(~np.isin(gold[~in_cols], static))
+    assert np.any(in_cols & (labels >= 24))  # a gold token drafted from a slot
+    total, _, grads = loss_and_grads(drafter, head, jax.device_get(batch), "dspark", draft_head=cut_head)
+    assert np.isfinite(float(total)) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))

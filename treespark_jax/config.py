@@ -243,6 +243,9 @@ class DrafterConfig:
         training rollouts (frequency-ranked drafting, as EAGLE-3's reduced draft vocabulary and
         FR-Spec); 0 = the whole vocabulary. Exact either way: the proposal distribution is
         what the drafter samples from, and verification never depends on the drafter.
+      context_vocab: W, context slots beside a draft vocabulary: each row also drafts the first W
+        distinct tokens outside it that its context has shown (``drafter/context_vocab.py``);
+        0 = none. Without a draft vocabulary (the whole one holds every token) it changes nothing.
       sample_from_anchor: the anchor slot predicts (DSpark's and our native convention: slot
         ``j`` predicts depth ``j + 1``, ``P`` drafts per block). ``False`` is DFlash's: the anchor
         slot's output is not a prediction, slot ``j ≥ 1`` predicts depth ``j`` (``P − 1`` drafts).
@@ -253,7 +256,8 @@ class DrafterConfig:
 
     Raises:
       ValueError: on an empty, repeated or negative layer id, ``n_layers`` outside 1–5, a
-        non-positive block/pool size, a negative rank, a draft vocabulary smaller than the pool,
+        non-positive block/pool size, a negative rank or context slot count, a draft vocabulary
+        smaller than the pool,
         a negative MASK token, a one-slot block whose anchor slot does not predict, or
         ``confidence_markov`` without both heads.
     """
@@ -266,6 +270,7 @@ class DrafterConfig:
     confidence_head: bool = False
     edge_head: bool = False
     draft_vocab: int = 0
+    context_vocab: int = 0
     sample_from_anchor: bool = True
     mask_token_id: int | None = None
     confidence_markov: bool = False
@@ -282,6 +287,8 @@ class DrafterConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank={self.markov_rank} must be 0 (no Markov head) or more.")
+        if self.context_vocab < 0:
+            raise ValueError(f"context_vocab={self.context_vocab} must be 0 (no context slots) or more.")
         if not self.sample_from_anchor and self.block_size < 2:
             raise ValueError(f"block_size={self.block_size} leaves no draft when the anchor slot does not "
                              "predict (sample_from_anchor=False); it must be at least 2.")

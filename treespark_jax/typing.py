@@ -40,7 +40,8 @@ DIMENSIONS: dict[str, str] = {
     "P": "drafter block slots (the block size γ)",
     "Q": "drafter query rows of one call",
     "U": "draft vocabulary (a subset of V)",
-    "C": "logit columns: the vocabulary V, or the draft vocabulary U where one is used",
+    "C": "logit columns: the vocabulary V, or the draft vocabulary U (and its context slots) where one is used",
+    "ctx": "context slots of a draft vocabulary (DrafterConfig.context_vocab)",
     "M": "candidate pool per depth",
     "R": "Markov-head rank",
     # draft trees and decoding

@@ -101,6 +101,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--draft-vocab", type=int, default=None, metavar="K",
                     help="train on (and draft from) the K most frequent tokens of the rollouts, the LM heads "
                          "cut to those columns; 0 = the whole vocabulary (default: the --init drafter's, else 0)")
+    tr.add_argument("--context-vocab", type=int, default=None, metavar="W",
+                    help="context slots beside the draft vocabulary: each row also drafts the first W distinct "
+                         "tokens outside it that its context has shown (default: the --init drafter's, else 0)")
     tr.add_argument("--init", default=None, metavar="PATH", type=path_arg,
                     help="warm-start from this drafter checkpoint (shared parameters; new heads fresh)")
     tr.add_argument("--init-layers", default=None, metavar="L[,L...]",
@@ -214,7 +217,8 @@ def run(args: argparse.Namespace) -> None:
     with _named_by_flag(settings):
         cfg = TrainConfig(**settings)
     fields = {k: v for k, v in (("block_size", args.block_size), ("n_layers", args.drafter_layers),
-                                ("draft_vocab", args.draft_vocab)) if v is not None}
+                                ("draft_vocab", args.draft_vocab), ("context_vocab", args.context_vocab))
+              if v is not None}
     loss_cfg = parse_loss_weights(args.loss_weights)
     init_layers = None
     if args.init_layers is not None:

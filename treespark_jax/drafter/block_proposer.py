@@ -11,6 +11,11 @@ cache's committed length.
 - ``update``: verification returned the features of the anchor (row 0) and of the accepted
   nodes, exactly the ``Committed.n`` positions that became committed; they are appended. The
   bonus token is the next anchor and, again, not in the context.
+
+With context slots (``DrafterConfig.context_vocab``, ``drafter/context_vocab.py``) the state also
+holds each row's slots over its committed tokens: filled from the prompt by ``init`` and from the
+committed tokens by ``update``; ``propose`` adds the anchor, so a round drafts from the slots of
+every position up to its anchor, as training computes them.
 """
 
 from __future__ import annotations
@@ -18,17 +23,19 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from treespark_jax.config import DrafterConfig
+from treespark_jax.drafter import context_vocab
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.drafter.proposer import Committed
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.proposal import Proposal
-from treespark_jax.typing import Array, Float, Int
+from treespark_jax.typing import Array, Bool, Float, Int
 
 
 def _replicated_like(x: jax.Array) -> jax.sharding.Sharding:
@@ -58,10 +65,12 @@ class DrafterWeights:
 
 @pytree_dataclass
 class DrafterState:
-    """Proposer state: the weights and the context cache (``[L_d, B, K, S, E]``, ``lengths [B]``)."""
+    """Proposer state: the weights, the context cache (``[L_d, B, K, S, E]``, ``lengths [B]``) and
+    the context slots of the committed tokens (``[B, W]`` int32; ``None`` without them)."""
 
     weights: DrafterWeights
     context: KVCache
+    slots: Int[Array, "B ctx"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,13 +157,21 @@ class BlockProposer:
             raise ValueError("the block drafter needs the target's prefill features of its layer_ids.")
         drafter = self.drafter(weights)
         context = drafter.extend_context(drafter.empty_context(prompt.shape[0], capacity), features, prompt_lens)
-        return DrafterState(weights=weights, context=context)
+        slots = None
+        if self._has_slots(weights):
+            in_prompt = jnp.arange(prompt.shape[1])[None, :] < prompt_lens[:, None]
+            slots = context_vocab.context_slots(prompt, self._outside(weights, prompt) & in_prompt,
+                                                (prompt_lens - 1)[:, None], self.cfg.context_vocab)[:, 0]
+        return DrafterState(weights=weights, context=context, slots=slots)
 
     def propose(self, state: DrafterState, anchor: Int[Array, "B"], keys) -> Proposal:
         """One block forward from each row's anchor (deterministic: ``keys`` are not used)."""
         drafter = self.drafter(state.weights)
         w = state.weights
-        out = drafter(anchor, state.context, w.head, depth=self.depth, draft_head=w.draft_head)
+        slots = None
+        if state.slots is not None:
+            slots = self._seen(w, state.slots, anchor[:, None], jnp.ones_like(anchor))
+        out = drafter(anchor, state.context, w.head, depth=self.depth, draft_head=w.draft_head, slots=slots)
         return drafter.proposal(out, w.token_terms, None if w.draft_head is None else w.draft_head.vocab_ids)
 
     def update(self, state: DrafterState, committed: Committed) -> DrafterState:
@@ -166,4 +183,21 @@ class BlockProposer:
         if committed.features is None:
             raise ValueError("the block drafter needs the target's features of the committed rows.")
         context = self.drafter(state.weights).extend_context(state.context, committed.features, committed.n)
-        return state.replace(context=context)
+        slots = state.slots
+        if slots is not None:
+            slots = self._seen(state.weights, slots, committed.tokens, committed.n)
+        return state.replace(context=context, slots=slots)
+
+    def _has_slots(self, weights: DrafterWeights) -> bool:
+        """The drafter has context slots, and a draft vocabulary for them to extend."""
+        return bool(self.cfg.context_vocab) and weights.draft_head is not None
+
+    @staticmethod
+    def _outside(weights: DrafterWeights, tokens: Int[Array, "B T"]) -> Bool[Array, "B T"]:
+        """Each token lies outside the draft vocabulary."""
+        return weights.draft_head.columns(tokens) == weights.draft_head.embed.shape[0]
+
+    def _seen(self, weights: DrafterWeights, slots: Int[Array, "B ctx"], tokens: Int[Array, "B path"],
+              n: Int[Array, "B"]) -> Int[Array, "B ctx"]:
+        """``slots`` after the first ``n`` of ``tokens`` (``context_vocab.add_tokens``)."""
+        return context_vocab.add_tokens(slots, tokens, n, self._outside(weights, tokens))

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from treespark_jax.config import DrafterConfig, ModelConfig
+from treespark_jax.drafter import context_vocab
 from treespark_jax.drafter.heads import ConfidenceHead, EdgeHead, MarkovHead, platt_identity_terms
 from treespark_jax.mesh import data_parallel
 from treespark_jax.models.decoder import Decoder, DecoderLayer, layer_param_names
@@ -60,6 +61,15 @@ class TargetHead:
     def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... C"]:
         """LM-head logits of final-norm hidden states."""
         return lm_logits(hidden, self.embed, self.lm_head)
+
+    def token_logits(self, hidden: Float[Array, "B *anchors P D"], ids: Int[Array, "B *anchors ctx"]
+                     ) -> Float[Array, "B *anchors P ctx"]:
+        """Logits of per-row token ids ``ids`` (e.g. context slots) from the whole head (this head's
+        ``vocab_ids`` must be ``None``): row ``r``'s ``P`` hidden states against its own ``W`` tokens.
+        An ``EMPTY`` id reads token 0 (mask it: ``context_vocab.masked_logits``)."""
+        ids = jnp.maximum(ids, 0)
+        rows = self.embed[ids] if self.lm_head is None else jnp.moveaxis(self.lm_head[:, ids], 0, -1)
+        return jnp.einsum("...pd,...wd->...pw", hidden, rows.astype(hidden.dtype))
 
     def restricted(self, ids: Int[Array, "U"]) -> "TargetHead":
         """The head over the token ids ``ids`` only (a draft vocabulary): logits ``[..., U]``."""
@@ -105,11 +115,38 @@ class DrafterOutput:
     Attributes:
       hidden: ``[B, P, D]`` final-norm hidden states ``h_j`` (``[B, anchors, P, D]`` from a
         packed forward).
-      logits: ``[B, P, C]`` base logits ``U_j`` for depth ``j + 1`` on the head's columns.
+      logits: ``[B, P, C]`` base logits ``U_j`` for depth ``j + 1`` on the head's columns: the
+        draft head's ``K``, then the ``W`` context slots when there are any.
+      context: ``[B, W]`` (``[B, anchors, W]``) int32 the token of each context slot
+        (``drafter/context_vocab.py``), or ``None`` without context slots.
     """
 
     hidden: Float[Array, "B *anchors P D"]
     logits: Float[Array, "B *anchors P C"]
+    context: Int[Array, "B *anchors ctx"] | None = None
+
+
+def with_context_slots(hidden: Float[Array, "B *anchors P D"], logits: Float[Array, "B *anchors P U"], head: TargetHead,
+                       slots: Int[Array, "B *anchors ctx"] | None) -> DrafterOutput:
+    """The block's output with the context slots' logits (from ``head``, the whole LM head) after
+    the draft head's ``logits``; ``slots=None``: ``logits`` as they are."""
+    if slots is None:
+        return DrafterOutput(hidden=hidden, logits=logits)
+    extra = context_vocab.masked_logits(head.token_logits(hidden, slots), slots).astype(logits.dtype)
+    return DrafterOutput(hidden=hidden, logits=jnp.concatenate([logits, extra], axis=-1), context=slots)
+
+
+def column_tokens(columns: Int[Array, "B P M"], vocab_ids: Int[Array, "U"], slots: Int[Array, "B ctx"] | None
+                  ) -> Int[Array, "B P M"]:
+    """The token id of each logit column of a draft head: ``vocab_ids`` for the first ``K``, then
+    the row's context ``slots``."""
+    k = vocab_ids.shape[0]
+    static = vocab_ids[jnp.minimum(columns, k - 1)]
+    if slots is None:
+        return static
+    held = jnp.broadcast_to(slots[:, None, :], (*columns.shape[:2], slots.shape[-1]))
+    held = jnp.take_along_axis(held, jnp.clip(columns - k, 0, slots.shape[-1] - 1), axis=-1)
+    return jnp.where(columns < k, static, held)
 
 
 class BlockDrafter(nnx.Module):
@@ -274,7 +311,8 @@ class BlockDrafter(nnx.Module):
         return jnp.concatenate([head.embed[anchor][:, None].astype(self.dtype), mask], axis=1)
 
     def __call__(self, anchor: Int[Array, "B"], context: KVCache, head: TargetHead,
-                 depth: int | None = None, draft_head: TargetHead | None = None) -> DrafterOutput:
+                 depth: int | None = None, draft_head: TargetHead | None = None,
+                 slots: Int[Array, "B ctx"] | None = None) -> DrafterOutput:
         """One block forward: slot ``j`` at position ``context.lengths + j``; the outputs are per depth.
 
         With ``cfg.sample_from_anchor`` output ``j`` is slot ``j``'s (depth ``j + 1``); without it
@@ -294,9 +332,11 @@ class BlockDrafter(nnx.Module):
             no deeper than ``depth`` needs no more, and the LM head over the slots is the
             largest part of the pass. All ``P`` slots still run through the layers, as in training.
           draft_head: ``head.restricted(draft vocabulary)``: logits over those ``K`` ids only.
+          slots: ``[B, W]`` int32 each row's context slots up to its anchor (``context_vocab``;
+            with ``draft_head`` only): ``W`` more logit columns after the ``K``.
 
         Returns:
-          ``DrafterOutput`` with ``h_j [B, P', D]`` and ``U_j [B, P', V]`` (``[B, P', K]`` with
+          ``DrafterOutput`` with ``h_j [B, P', D]`` and ``U_j [B, P', V]`` (``[B, P', K + W]`` with
           ``draft_head``), ``P' = depth or cfg.depths``.
         """
         p = self.cfg.block_size
@@ -312,7 +352,7 @@ class BlockDrafter(nnx.Module):
 
         hidden = by_key_width(context.capacity, jnp.max(context.lengths), over, x)
         hidden = hidden[:, p - self.cfg.depths:][:, :depth]  # DFlash: the anchor slot does not predict
-        return DrafterOutput(hidden=hidden, logits=(draft_head or head).logits(hidden))
+        return with_context_slots(hidden, (draft_head or head).logits(hidden), head, slots)
 
     def blocks(self, x: Float[Array, "B Q D"], positions: Int[Array, "B Q"],
                context_kv: list[tuple[Float[Array, "B K S E"], Float[Array, "B K S E"]]],
@@ -354,10 +394,12 @@ class BlockDrafter(nnx.Module):
           anchors: ``[B, A]`` int32 anchor positions; ``-1`` marks an unused block (it attends to
             its own rows only and its outputs must be masked out of any loss).
           head: the target's embedding and LM head.
-          draft_head: ``head.restricted(draft vocabulary)``: logits over those ``K`` ids only.
+          draft_head: ``head.restricted(draft vocabulary)``: logits over those ``K`` ids only, and
+            with ``cfg.context_vocab = W`` over each block's ``W`` context slots after them
+            (``context_vocab.context_slots``, in ``DrafterOutput.context``).
 
         Returns:
-          ``DrafterOutput`` with ``hidden [B, A, P, D]`` and ``logits [B, A, P, V]`` (``[B, A, P, K]``
+          ``DrafterOutput`` with ``hidden [B, A, P, D]`` and ``logits [B, A, P, V]`` (``[B, A, P, K + W]``
           with ``draft_head``).
 
         Raises:
@@ -380,8 +422,12 @@ class BlockDrafter(nnx.Module):
         same_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, a * p, a * p))
         mask = jnp.concatenate([sees_context, same_block], axis=2)
         hidden = self.blocks(x, positions, self.context_keys_values(features, pos_t), mask)  # [B, A·P, D]
-        logits = (draft_head or head).logits(hidden)
-        return DrafterOutput(hidden=hidden.reshape(b, a, p, -1), logits=logits.reshape(b, a, p, -1))
+        logits = (draft_head or head).logits(hidden).reshape(b, a, p, -1)
+        slots = None
+        if self.cfg.context_vocab and draft_head is not None:
+            outside = draft_head.columns(tokens) == draft_head.embed.shape[0]
+            slots = context_vocab.context_slots(tokens, outside, anchors, self.cfg.context_vocab)
+        return with_context_slots(hidden.reshape(b, a, p, -1), logits, head, slots)
 
     def token_terms(self, head: TargetHead) -> Float[Array, "3 V"]:
         """Per-token head terms ``[w_t · E[t], w_x · E[t], w_c · E[t]]`` (edge parent, edge child,
@@ -403,7 +449,8 @@ class BlockDrafter(nnx.Module):
           out: the block forward.
           token_terms: ``[3, V]`` from ``token_terms`` (same weights).
           vocab_ids: ``[U]`` the token id of each logit column when ``out`` was computed with a
-            draft head (``TargetHead.vocab_ids``); ``None`` for whole-vocabulary logits.
+            draft head (``TargetHead.vocab_ids``; the columns after them are ``out.context``'s
+            slots); ``None`` for whole-vocabulary logits.
 
         Returns:
           ``Proposal`` with ``pool_ids [B, P, M]`` (candidates by descending ``U_j``) and float
@@ -414,7 +461,7 @@ class BlockDrafter(nnx.Module):
         v, m = self.target_cfg.vocab_size, self.cfg.pool_size
         # Row-parallel on a data mesh: XLA would all-gather [B, P, V] over the batch for top_k.
         pool_logits, pool_ids = data_parallel(lambda x: tuple(jax.lax.top_k(x, m)), (0,), (0, 0))(out.logits)
-        pool_ids = pool_ids.astype(jnp.int32) if vocab_ids is None else vocab_ids[pool_ids]
+        pool_ids = pool_ids.astype(jnp.int32) if vocab_ids is None else column_tokens(pool_ids, vocab_ids, out.context)
         if self.markov is None:
             markov = jnp.zeros((v, 0), self.dtype), jnp.zeros((b, p, 0, m), self.dtype)
         else:

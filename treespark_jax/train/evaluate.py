@@ -133,7 +133,8 @@ def anchor_trees(drafter: BlockDrafter, head: TargetHead, draft_head: TargetHead
       ``[B·A, N]`` draft trees, as ``build_tree`` returns them under the greedy rule.
     """
     flat = DrafterOutput(hidden=out.hidden.reshape(-1, *out.hidden.shape[2:]),
-                         logits=out.logits.reshape(-1, *out.logits.shape[2:]))
+                         logits=out.logits.reshape(-1, *out.logits.shape[2:]),
+                         context=None if out.context is None else out.context.reshape(-1, out.context.shape[-1]))
     proposal = drafter.proposal(flat, drafter.token_terms(head), None if draft_head is None else draft_head.vocab_ids)
     return build_tree(proposal, anchor_tokens, tree_cfg, rule=VerifyRule.GREEDY)
 

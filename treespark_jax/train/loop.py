@@ -87,11 +87,12 @@ RUN_FILE = "run.json"
 # Bookkeeping that may change between a run and its resume (the rest must match).
 _FREE = ("save_every", "keep", "log_every")
 # What a run.json written without a key meant (offline runs record no "online"; runs before --top-p,
-# --tree-share and --mix-weights no "on_policy" "top_p", "train" "tree_share" or "mix_weights"); and the
+# --tree-share, --mix-weights and --context-vocab no "on_policy" "top_p", "train" "tree_share" or
+# "mix_weights", "drafter" "context_vocab"); and the
 # keys whose difference is named first, as the one the user changed (another loss changes the drafter's
 # heads too).
 _ABSENT = {"online": False, ("on_policy", "top_p"): 1.0, ("train", "tree_share"): None,
-           ("train", "mix_weights"): None}
+           ("train", "mix_weights"): None, ("drafter", "context_vocab"): 0}
 _FIRST = ("loss", "online", "rollouts")  # before the settings they imply (draft vocabulary, records)
 
 
@@ -152,7 +153,7 @@ def _json(obj):
 _FLAGGED = {None: ("loss", "online", "init", "init_layers", "dtype", "rollouts"),
             "train": tuple(f.name for f in dataclasses.fields(TrainConfig)),
             "on_policy": tuple(f.name for f in dataclasses.fields(OnPolicyConfig)),
-            "drafter": ("block_size", "n_layers", "draft_vocab")}
+            "drafter": ("block_size", "n_layers", "draft_vocab", "context_vocab")}
 _RENAMED = {"batch": "batch_size", "n_layers": "drafter_layers", "interval": "tree_interval", "buffer": "tree_buffer"}
 
 
@@ -223,7 +224,8 @@ def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet | N
         if meta.cfg.target_layer_ids != layer_ids:
             raise ValueError(f"drafter {init} reads target layers {list(meta.cfg.target_layer_ids)} but the rollouts "
                              f"carry features of layers {list(rollouts.layer_ids)}.")
-        shape = {k: getattr(meta.cfg, k) for k in ("n_layers", "block_size", "pool_size", "markov_rank")}
+        shape = {k: getattr(meta.cfg, k) for k in ("n_layers", "block_size", "pool_size", "markov_rank",
+                                                    "context_vocab")}
         fields = {**shape, **fields}
     known = {} if layer_ids is None else {"target_layer_ids": layer_ids}
     cfg = drafter_config(loss, target.cfg, **{**known, **fields})  # checks K
@@ -235,6 +237,9 @@ def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet | N
         ids = frequency_ranked_vocab(rollouts, cfg.draft_vocab, target.cfg.vocab_size)
     elif base is not None and base.draft_vocab is not None and "draft_vocab" not in fields:
         ids = np.asarray(base.draft_vocab[...], np.int32)
+    if cfg.context_vocab and ids is None:
+        raise ValueError(f"--context-vocab {cfg.context_vocab} adds slots beside a draft vocabulary; give "
+                         "--draft-vocab K (or --init a drafter that has one).")
     drafter = BlockDrafter(dataclasses.replace(cfg, draft_vocab=0), target.cfg, rngs=nnx.Rngs(seed), dtype=dtype)
     if base is not None:
         warm_start(drafter, base)

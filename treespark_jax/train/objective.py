@@ -9,7 +9,11 @@ With a draft head (``TargetHead.restricted`` of a draft vocabulary) the drafter'
 target's cover the draft vocabulary's ``K`` columns only, as at inference; the target is
 normalised over its whole vocabulary by the logsumexp the rollout stored, labels and tree tokens
 become columns (``K`` for a token outside), and tree nodes outside the columns are left out
-(``losses.chain``' module docstring says what stays exact).
+(``losses.chain``' module docstring says what stays exact). With context slots
+(``DrafterConfig.context_vocab``) the gold chain's columns are the ``K`` and then each block's
+slots (``DrafterOutput.context``), the target's and the Markov head's included; the tree terms
+keep the ``K`` static columns (a logged node held only by a slot is left out, like any node
+outside the columns).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from treespark_jax.config import LOSSES
+from treespark_jax.drafter.context_vocab import masked_logits, slot_columns
 from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
 from treespark_jax.losses.chain import (LossConfig, align_blocks, chain_acceptance, dflash, dspark, expected_chain_tau,
                                         markov_logits)
@@ -40,6 +45,13 @@ def _markov_columns(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, d
         return jnp.zeros((head.embed.shape[0], 0), dtype), jnp.zeros((0, cols.embed.shape[0]), dtype)
     child = markov.child[...]
     return markov.parent[...], child if cols.vocab_ids is None else child[:, cols.vocab_ids]
+
+
+def _slot_markov(drafter: BlockDrafter, slots: Int[Array, "blocks ctx"], prev: Int[Array, "blocks P"], dtype
+                 ) -> Float[Array, "blocks P ctx"]:
+    """The Markov term ``E[t_prev] · W[:, x]`` of each block's context-slot tokens ``x``."""
+    child = jnp.moveaxis(drafter.markov.child[...][:, jnp.maximum(slots, 0)], 0, -2)  # [blocks, R, W]
+    return jnp.einsum("bpr,brw->bpw", drafter.markov.parent[...][prev], child).astype(dtype)
 
 
 def _logged_trees(drafter: BlockDrafter, head: TargetHead, cols: TargetHead, batch: TrainBatch, logits, hidden
@@ -85,8 +97,9 @@ class GoldChain:
       labels: ``[blocks, P]`` the gold labels' logit columns (``C`` for a token outside the columns).
       gold: ``[blocks, P]`` the gold labels' token ids.
       mask, prev_tokens: ``[blocks, P]`` alignment (``losses.align_blocks``).
+      slots: ``[blocks, W]`` int32 each block's context slots (columns ``K..C−1``), or ``None``.
 
-    ``C`` is the logit columns: the vocabulary, or the draft vocabulary.
+    ``C`` is the logit columns: the vocabulary, or the draft vocabulary (and its context slots).
     """
 
     base: Float[Array, "blocks P C"]
@@ -98,6 +111,7 @@ class GoldChain:
     gold: Int[Array, "blocks P"]
     mask: Bool[Array, "blocks P"]
     prev_tokens: Int[Array, "blocks P"]
+    slots: Int[Array, "blocks ctx"] | None = None
 
 
 def gold_chain(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, out: DrafterOutput,
@@ -110,9 +124,14 @@ def gold_chain(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, out: 
         batch.tokens, batch.loss_mask, batch.anchors, batch.lengths, batch.hidden)
     prev = _flat(align.prev_tokens)
     base = _flat(out.logits[:, :a])
+    k = cols.embed.shape[0]  # the head's columns; context slots follow them
+    slots = None if out.context is None else _flat(out.context[:, :a])
     q = base
     if drafter.markov is not None:
-        q = markov_logits(base, prev, *_markov_columns(drafter, head, cols, base.dtype))
+        q = markov_logits(base[..., :k], prev, *_markov_columns(drafter, head, cols, base.dtype))
+        if slots is not None:
+            q = jnp.concatenate([q, masked_logits(base[..., k:] + _slot_markov(drafter, slots, prev, base.dtype),
+                                                  slots)], axis=-1)
     conf = None
     if drafter.confidence is not None:
         conf = drafter.confidence_logits(_flat(out.hidden[:, :a]), prev, head)
@@ -123,9 +142,14 @@ def gold_chain(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, out: 
         # A masked slot's row may precede the last prompt token, where rollouts store no normaliser:
         # p = 0 there keeps every term finite (the slot has no weight).
         lse = jnp.where(_flat(align.mask), lse, jnp.inf)
-    return GoldChain(base=base, q=q, target_logits=cols.logits(_flat(align.target).astype(base.dtype)),
-                     target_lse=lse, confidence=conf, labels=cols.columns(_flat(align.labels)),
-                     gold=_flat(align.labels), mask=_flat(align.mask), prev_tokens=prev)
+    target_hidden = _flat(align.target).astype(base.dtype)
+    target_logits, labels = cols.logits(target_hidden), cols.columns(_flat(align.labels))
+    if slots is not None:
+        held = masked_logits(head.token_logits(target_hidden, slots), slots)
+        target_logits = jnp.concatenate([target_logits, held], axis=-1)
+        labels = jnp.where(labels < k, labels, k + slot_columns(slots, _flat(align.labels)))
+    return GoldChain(base=base, q=q, target_logits=target_logits, target_lse=lse, confidence=conf, labels=labels,
+                     gold=_flat(align.labels), mask=_flat(align.mask), prev_tokens=prev, slots=slots)
 
 
 def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, loss: str,
@@ -170,8 +194,9 @@ def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, los
     elif loss == "dspark":
         total, terms = dspark(q, target_logits, labels, mask, conf, cfg, lse)
     else:
+        columns = (draft_head or head).embed.shape[0]  # the tree terms read the static columns
         logged, child_logits, edge = _logged_trees(drafter, head, draft_head or head, batch,
-                                                   _flat(out.logits[:, a:]), _flat(out.hidden[:, a:]))
+                                                   _flat(out.logits[:, a:, ..., :columns]), _flat(out.hidden[:, a:]))
         total, terms = treespark(q, target_logits, labels, mask, child_logits, edge, logged, rule, conf, cfg,
                                  target_lse=lse)
     alpha = chain_acceptance(q, target_logits, lse)
