@@ -52,7 +52,9 @@ DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary the drafters train on and d
 DSPARK=${DSPARK:-$DATA/dspark/drafter}
 T="$PY -m treespark_jax.cli"
 TRAIN_ARGS="--steps $STEPS --batch-size $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
-VOCAB_ARGS="--draft-vocab $DRAFT_VOCAB"  # the treespark stage and the ablations keep their --init drafter's
+CONTEXT_VOCAB=${CONTEXT_VOCAB:-0}  # context slots beside the draft vocabulary (--context-vocab; docs/training.md)
+# the treespark stage and the ablations keep their --init drafter's draft vocabulary and context slots
+VOCAB_ARGS="--draft-vocab $DRAFT_VOCAB --context-vocab $CONTEXT_VOCAB"
 
 plain() { for s in $SETS; do echo "$DATA/rollouts-$s-$1"; done; }
 self_rollouts() {
