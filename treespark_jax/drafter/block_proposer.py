@@ -35,7 +35,7 @@ from treespark_jax.models.decoder import Decoder
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.proposal import Proposal
-from treespark_jax.typing import Array, Bool, Float, Int
+from treespark_jax.typing import Array, Float, Int
 
 
 def _replicated_like(x: jax.Array) -> jax.sharding.Sharding:
@@ -160,7 +160,7 @@ class BlockProposer:
         slots = None
         if self._has_slots(weights):
             in_prompt = jnp.arange(prompt.shape[1])[None, :] < prompt_lens[:, None]
-            slots = context_vocab.context_slots(prompt, self._outside(weights, prompt) & in_prompt,
+            slots = context_vocab.context_slots(prompt, weights.draft_head.outside(prompt) & in_prompt,
                                                 (prompt_lens - 1)[:, None], self.cfg.context_vocab)[:, 0]
         return DrafterState(weights=weights, context=context, slots=slots)
 
@@ -170,7 +170,8 @@ class BlockProposer:
         w = state.weights
         slots = None
         if state.slots is not None:
-            slots = self._seen(w, state.slots, anchor[:, None], jnp.ones_like(anchor))
+            slots = context_vocab.add_tokens(state.slots, anchor[:, None], jnp.ones_like(anchor),
+                                             w.draft_head.outside(anchor[:, None]))
         out = drafter(anchor, state.context, w.head, depth=self.depth, draft_head=w.draft_head, slots=slots)
         return drafter.proposal(out, w.token_terms, None if w.draft_head is None else w.draft_head.vocab_ids)
 
@@ -185,19 +186,10 @@ class BlockProposer:
         context = self.drafter(state.weights).extend_context(state.context, committed.features, committed.n)
         slots = state.slots
         if slots is not None:
-            slots = self._seen(state.weights, slots, committed.tokens, committed.n)
+            slots = context_vocab.add_tokens(slots, committed.tokens, committed.n,
+                                             state.weights.draft_head.outside(committed.tokens))
         return state.replace(context=context, slots=slots)
 
     def _has_slots(self, weights: DrafterWeights) -> bool:
         """The drafter has context slots, and a draft vocabulary for them to extend."""
         return bool(self.cfg.context_vocab) and weights.draft_head is not None
-
-    @staticmethod
-    def _outside(weights: DrafterWeights, tokens: Int[Array, "B T"]) -> Bool[Array, "B T"]:
-        """Each token lies outside the draft vocabulary."""
-        return weights.draft_head.columns(tokens) == weights.draft_head.embed.shape[0]
-
-    def _seen(self, weights: DrafterWeights, slots: Int[Array, "B ctx"], tokens: Int[Array, "B path"],
-              n: Int[Array, "B"]) -> Int[Array, "B ctx"]:
-        """``slots`` after the first ``n`` of ``tokens`` (``context_vocab.add_tokens``)."""
-        return context_vocab.add_tokens(slots, tokens, n, self._outside(weights, tokens))

@@ -85,6 +85,10 @@ class TargetHead:
         tokens = jnp.asarray(tokens, jnp.int32)
         return tokens if self.token_columns is None else self.token_columns[tokens]
 
+    def outside(self, tokens: Int[Array, "..."]) -> Bool[Array, "..."]:
+        """Each token id lies outside a restricted head's columns (always ``False`` for the whole head)."""
+        return self.columns(tokens) == self.embed.shape[0]
+
     def normaliser(self, hidden: Float[Array, "... D"], temperature: Float[Array, "..."] | float = 1.0
                    ) -> tuple[Float[Array, "..."], Int[Array, "..."]]:
         """``(logsumexp(logits / temperature), argmax logits)`` over this head's columns, float32.
@@ -425,8 +429,7 @@ class BlockDrafter(nnx.Module):
         logits = (draft_head or head).logits(hidden).reshape(b, a, p, -1)
         slots = None
         if self.cfg.context_vocab and draft_head is not None:
-            outside = draft_head.columns(tokens) == draft_head.embed.shape[0]
-            slots = context_vocab.context_slots(tokens, outside, anchors, self.cfg.context_vocab)
+            slots = context_vocab.context_slots(tokens, draft_head.outside(tokens), anchors, self.cfg.context_vocab)
         return with_context_slots(hidden.reshape(b, a, p, -1), logits, head, slots)
 
     def token_terms(self, head: TargetHead) -> Float[Array, "3 V"]:
