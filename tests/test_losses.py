@@ -132,6 +132,31 @@ def test_dspark_perfect_drafter_has_zero_l1_and_confidence_target_one():
     assert "bce" not in dspark(q, target, labels, mask)[1]  # no confidence head, no term
 
 
+def test_the_kl_term_pulls_a_column_the_drafter_gives_no_mass():
+    """``chain_kl``: KL(p‖q) over the columns, with the tail and masked rows left out; on a column
+    with q ≈ 0 its gradient is −p per unit weight, where the L1 term's is ≈ 0."""
+    target, lse = normal(2, 4, 6, scale=2.0), None
+    labels, mask = jnp.zeros((2, 4), jnp.int32), jnp.asarray([[True] * 4, [True, True, False, False]])
+    q = normal(2, 4, 6).at[..., 5].set(-30.0)  # column 5: no drafter mass
+    lse = jax.scipy.special.logsumexp(jnp.concatenate([target, normal(2, 4, 3)], -1), -1)  # a tail outside the columns
+    lse = jnp.where(mask, lse, jnp.inf)  # masked rows: no normaliser (p = 0)
+    cfg = LossConfig(chain_kl=2.0)
+    total, terms = dspark(q, target, labels, mask, cfg=cfg, target_lse=lse)
+    log_p, log_q = np.asarray(target - lse[..., None]), np.asarray(jax.nn.log_softmax(q, -1))
+    p = np.exp(log_p)
+    kl = np.sum(p * (np.where(mask[..., None], log_p, 0) - log_q), -1)  # p = 0 on masked rows
+    w = np.exp(-np.arange(4) / 4.0) * np.asarray(mask)
+    np.testing.assert_allclose(terms["kl"], np.sum(w * np.where(mask, kl, 0)) / np.sum(w), rtol=1e-6)
+    np.testing.assert_allclose(total, cfg.chain_ce * terms["ce"] + cfg.chain_l1 * terms["l1"] + 2.0 * terms["kl"],
+                               rtol=1e-6)
+    assert "kl" not in dspark(q, target, labels, mask, target_lse=lse)[1]  # weight 0: no term
+    g_kl = np.asarray(grad(lambda x: dspark(x, target, labels, mask, cfg=cfg, target_lse=lse)[1]["kl"])(q))
+    g_l1 = np.asarray(grad(lambda x: dspark(x, target, labels, mask, cfg=cfg, target_lse=lse)[1]["l1"])(q))
+    assert np.all(np.isfinite(g_kl)) and np.all(g_kl[1, 2:] == 0)  # masked rows give no gradient
+    np.testing.assert_allclose(g_kl[..., 5] * np.sum(w), -(w * p[..., 5]), rtol=1e-4, atol=1e-12)
+    assert np.abs(g_l1[..., 5]).max() < 1e-9 < np.abs(g_kl[0, :, 5]).min()
+
+
 def test_markov_teacher_forcing_and_expected_tau():
     base, parent, child = normal(2, 3, 8), normal(8, 2), normal(2, 8)
     prev = jnp.asarray([[1, 2, 3], [4, 5, 6]])

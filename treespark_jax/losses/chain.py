@@ -72,6 +72,9 @@ class LossConfig:
       chain_ce: weight of the gold-token cross-entropy of ``q`` (0.1).
       chain_l1: weight of ``‖q − p_t‖₁`` (0.9).
       chain_bce: weight of the confidence BCE against ``sg(1 − ½‖q − p_t‖₁)`` (1.0).
+      chain_kl: weight of the forward KL ``Σ p_t·log(p_t/q)`` over the columns (0). Unlike the
+        L1 term, whose gradient on a logit is proportional to that column's ``q``, its gradient
+        ``q − p_t`` pulls a column the drafter gives no mass (docs/training.md, "Context slots").
       tree_tv: ``λ_tv``, weight of the node distillation ``‖q(·|x_u) − p_u‖₁`` (0; 0.09 before).
       tree_ce: ``λ_ce``, weight of the node distillation ``CE(q(·|x_u), y_u)`` (0; 0.01 before).
       tree_coverage: weight of the tree-coverage term (0; 0.1 before).
@@ -87,6 +90,7 @@ class LossConfig:
     chain_ce: float = 0.1
     chain_l1: float = 0.9
     chain_bce: float = 1.0
+    chain_kl: float = 0.0
     tree_tv: float = 0.0
     tree_ce: float = 0.0
     tree_coverage: float = 0.0
@@ -98,7 +102,7 @@ class LossConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"LossConfig.{name}={value} must be positive.")
-        for name in ("chain_ce", "chain_l1", "chain_bce", "tree_tv", "tree_ce", "tree_coverage", "tree_edge"):
+        for name in ("chain_ce", "chain_l1", "chain_bce", "chain_kl", "tree_tv", "tree_ce", "tree_coverage", "tree_edge"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"LossConfig.{name}={getattr(self, name)} must be a non-negative weight.")
 
@@ -121,6 +125,13 @@ def l1_distance(log_q: Float[Array, "... C"], log_p: Float[Array, "... C"], tail
     ``tail`` is ``p``'s mass outside the ``V`` columns (``q`` has none there): it adds to the distance.
     """
     return jnp.sum(jnp.abs(jnp.exp(log_q) - jnp.exp(log_p)), axis=-1) + tail
+
+
+def forward_kl(log_q: Float[Array, "... C"], log_p: Float[Array, "... C"]) -> Float[Array, "..."]:
+    """``Σ p·(log p − log q)`` over the ``C`` columns, ``[..., C] -> [...]`` (``p``'s mass outside
+    them, which ``q`` cannot hold, is left out; a column with ``p = 0`` adds 0)."""
+    p = jnp.exp(log_p)
+    return jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0), axis=-1)
 
 
 def target_log_probs(target_logits: Float[Array, "... C"], lse: Float[Array, "..."] | None = None
@@ -330,7 +341,8 @@ def dspark(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"]
            mask: Bool[Array, "B P"], confidence_logits: Float[Array, "B P"] | None = None,
            cfg: LossConfig = LossConfig(), target_lse: Float[Array, "B P"] | None = None
            ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
-    """DSpark loss on the gold chain: ``0.1·CE + 0.9·‖q − p_t‖₁ + 1.0·BCE(c_j, sg(α_j))``.
+    """DSpark loss on the gold chain: ``0.1·CE + 0.9·‖q − p_t‖₁ + 1.0·BCE(c_j, sg(α_j))``
+    (``+ chain_kl·KL(p_t‖q)`` when that weight is positive).
 
     ``q`` is the Markov-head distribution teacher-forced with the gold previous token
     (``markov_logits``); CE is of ``q`` on the gold token; ``α_j = 1 − ½‖q_j − p_t‖₁`` is the
@@ -349,7 +361,7 @@ def dspark(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"]
         draft vocabulary (``target_log_probs``), else ``None``.
 
     Returns:
-      ``(total, {"ce", "l1"[, "bce"]})``.
+      ``(total, {"ce", "l1"[, "kl"][, "bce"]})``.
     """
     log_q = jax.nn.log_softmax(as_float(q_logits), axis=-1)
     log_p, tail = target_log_probs(target_logits, target_lse)
@@ -359,6 +371,9 @@ def dspark(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"]
     terms = {"ce": weighted_mean(gold_cross_entropy(log_q, labels), ce_weights),
              "l1": weighted_mean(l1, weights)}
     total = cfg.chain_ce * terms["ce"] + cfg.chain_l1 * terms["l1"]
+    if cfg.chain_kl > 0:
+        terms["kl"] = weighted_mean(forward_kl(log_q, log_p), weights)
+        total = total + cfg.chain_kl * terms["kl"]
     if confidence_logits is not None:
         alpha = jax.lax.stop_gradient(1 - 0.5 * l1)
         terms["bce"] = weighted_mean(binary_cross_entropy(as_float(confidence_logits), alpha), weights)

@@ -92,7 +92,8 @@ _FREE = ("save_every", "keep", "log_every")
 # keys whose difference is named first, as the one the user changed (another loss changes the drafter's
 # heads too).
 _ABSENT = {"online": False, ("on_policy", "top_p"): 1.0, ("train", "tree_share"): None,
-           ("train", "mix_weights"): None, ("drafter", "context_vocab"): 0}
+           ("train", "mix_weights"): None, ("drafter", "context_vocab"): 0,
+           ("loss_config", "chain_kl"): 0.0}
 _FIRST = ("loss", "online", "rollouts")  # before the settings they imply (draft vocabulary, records)
 
 
