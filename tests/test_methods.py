@@ -51,12 +51,15 @@ def test_greedy_output_of_every_drafter_method_equals_greedy_ar(target64, ar_ref
     assert_round_accounting(ids, stats, spec.tree.max_depth)
 
 
-@pytest.mark.parametrize("context_vocab", [0, 6])
-def test_a_draft_vocabulary_keeps_greedy_output_equal_to_ar(target64, ar_reference, context_vocab):
-    """Drafting from 40 of the 97 tokens (most targets' argmaxes lie outside), and from them plus
-    6 context slots, changes τ, never the output."""
+@pytest.mark.parametrize("context_vocab,pointer_rank", [(0, 0), (6, 0), (6, 4)])
+def test_a_draft_vocabulary_keeps_greedy_output_equal_to_ar(target64, ar_reference, context_vocab, pointer_rank):
+    """Drafting from 40 of the 97 tokens (most targets' argmaxes lie outside), from them plus 6
+    context slots, and with a (non-zero) pointer score on the slots, changes τ, never the output."""
     ids = np.random.default_rng(0).choice(target64.cfg.vocab_size, 40, replace=False)
-    drafter = random_drafter(target64, "treespark", context_vocab=context_vocab).with_draft_vocab(ids)
+    drafter = random_drafter(target64, "treespark", context_vocab=context_vocab,
+                             pointer_rank=pointer_rank).with_draft_vocab(ids)
+    if pointer_rank:
+        drafter.pointer_query[...] = jax.random.normal(jax.random.key(1), drafter.pointer_query[...].shape)
     spec = speculation("treespark", target64, 12, drafter=drafter)
     out, stats = Engine(target64, stop_ids=[]).generate(SPEC_PROMPTS, 40, spec=spec)
     assert out == ar_reference

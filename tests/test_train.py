@@ -278,20 +278,25 @@ def test_a_draft_vocabulary_run_saves_its_drafter_with_the_vocabulary(tmp_path, 
         assert load_drafter(out / "drafter", binding)[1].cfg.draft_vocab == size
     alpha_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("α/depth"))
     assert "given the gold prefix; the last logged interval" in alpha_row, alpha_row
-    # Context slots beside the draft vocabulary: given, kept from --init, refused without a draft vocabulary.
+    # Context slots (with a pointer) beside the draft vocabulary: given, kept from --init, refused
+    # without a draft vocabulary; a pointer without slots is refused.
     slots = tmp_path / "slots"
     assert main(_cli("--rollouts", rollouts, "--loss", "dspark", "--init", first / "drafter", "--context-vocab", "4",
-                     "--out", slots, "--steps", "2")) == 0
+                     "--pointer-rank", "3", "--out", slots, "--steps", "2")) == 0
     again = tmp_path / "slots_again"
     assert main(_cli("--rollouts", rollouts, "--loss", "dspark", "--init", slots / "drafter", "--out", again,
                      "--steps", "2")) == 0
     for run in (slots, again):
         meta = load_drafter(run / "drafter", binding)[1]
-        assert (meta.cfg.draft_vocab, meta.cfg.context_vocab) == (256, 4)
+        assert (meta.cfg.draft_vocab, meta.cfg.context_vocab, meta.cfg.pointer_rank) == (256, 4, 3)
     assert main(_cli("--rollouts", rollouts, "--loss", "dspark", "--context-vocab", "4", "--out",
                      tmp_path / "no_vocab", "--steps", "2")) == 2
     assert "--context-vocab 4 adds slots beside a draft vocabulary" in capsys.readouterr().err
     assert not (tmp_path / "no_vocab" / "run.json").exists()
+    assert main(_cli("--rollouts", rollouts, "--loss", "dspark", "--init", first / "drafter", "--pointer-rank", "3",
+                     "--out", tmp_path / "no_slots", "--steps", "2")) == 2
+    assert "--pointer-rank 3 must be 0, or positive with context slots" in capsys.readouterr().err
+    assert not (tmp_path / "no_slots" / "run.json").exists()
 
 
 def test_bad_input_gets_one_sentence_and_leaves_no_checkpoint(tmp_path, capsys, tiny_dir, rollouts, other_rollouts,

@@ -246,6 +246,9 @@ class DrafterConfig:
       context_vocab: W, context slots beside a draft vocabulary: each row also drafts the first W
         distinct tokens outside it that its context has shown (``drafter/context_vocab.py``);
         0 = none. Without a draft vocabulary (the whole one holds every token) it changes nothing.
+      pointer_rank: R of the pointer score on the context slots (``drafter/context_vocab.py``):
+        a slot's logit adds ``(h_j W_q) · (c_f W_k)``, ``c_f`` the projected context feature at
+        the slot token's first position (a copy score, as a pointer network's); 0 = none.
       sample_from_anchor: the anchor slot predicts (DSpark's and our native convention: slot
         ``j`` predicts depth ``j + 1``, ``P`` drafts per block). ``False`` is DFlash's: the anchor
         slot's output is not a prediction, slot ``j ≥ 1`` predicts depth ``j`` (``P − 1`` drafts).
@@ -256,8 +259,8 @@ class DrafterConfig:
 
     Raises:
       ValueError: on an empty, repeated or negative layer id, ``n_layers`` outside 1–5, a
-        non-positive block/pool size, a negative rank or context slot count, a draft vocabulary
-        smaller than the pool,
+        non-positive block/pool size, a negative rank or context slot count, a pointer without
+        context slots, a draft vocabulary smaller than the pool,
         a negative MASK token, a one-slot block whose anchor slot does not predict, or
         ``confidence_markov`` without both heads.
     """
@@ -271,6 +274,7 @@ class DrafterConfig:
     edge_head: bool = False
     draft_vocab: int = 0
     context_vocab: int = 0
+    pointer_rank: int = 0
     sample_from_anchor: bool = True
     mask_token_id: int | None = None
     confidence_markov: bool = False
@@ -289,6 +293,9 @@ class DrafterConfig:
             raise ValueError(f"markov_rank={self.markov_rank} must be 0 (no Markov head) or more.")
         if self.context_vocab < 0:
             raise ValueError(f"context_vocab={self.context_vocab} must be 0 (no context slots) or more.")
+        if self.pointer_rank < 0 or (self.pointer_rank and not self.context_vocab):
+            raise ValueError(f"pointer_rank={self.pointer_rank} must be 0, or positive with context slots "
+                             f"(context_vocab={self.context_vocab}).")
         if not self.sample_from_anchor and self.block_size < 2:
             raise ValueError(f"block_size={self.block_size} leaves no draft when the anchor slot does not "
                              "predict (sample_from_anchor=False); it must be at least 2.")

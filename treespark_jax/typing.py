@@ -42,6 +42,7 @@ DIMENSIONS: dict[str, str] = {
     "U": "draft vocabulary (a subset of V)",
     "C": "logit columns: the vocabulary V, or the draft vocabulary U (and its context slots) where one is used",
     "ctx": "context slots of a draft vocabulary (DrafterConfig.context_vocab)",
+    "ptr": "pointer rank of the context slots (DrafterConfig.pointer_rank)",
     "M": "candidate pool per depth",
     "R": "Markov-head rank",
     # draft trees and decoding

@@ -104,6 +104,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--context-vocab", type=int, default=None, metavar="W",
                     help="context slots beside the draft vocabulary: each row also drafts the first W distinct "
                          "tokens outside it that its context has shown (default: the --init drafter's, else 0)")
+    tr.add_argument("--pointer-rank", type=int, default=None, metavar="R",
+                    help="a pointer (copy) score of rank R on the context slots, against the context at each slot "
+                         "token's first position; needs --context-vocab (default: the --init drafter's, else 0)")
     tr.add_argument("--init", default=None, metavar="PATH", type=path_arg,
                     help="warm-start from this drafter checkpoint (shared parameters; new heads fresh)")
     tr.add_argument("--init-layers", default=None, metavar="L[,L...]",
@@ -217,7 +220,8 @@ def run(args: argparse.Namespace) -> None:
     with _named_by_flag(settings):
         cfg = TrainConfig(**settings)
     fields = {k: v for k, v in (("block_size", args.block_size), ("n_layers", args.drafter_layers),
-                                ("draft_vocab", args.draft_vocab), ("context_vocab", args.context_vocab))
+                                ("draft_vocab", args.draft_vocab), ("context_vocab", args.context_vocab),
+                                ("pointer_rank", args.pointer_rank))
               if v is not None}
     loss_cfg = parse_loss_weights(args.loss_weights)
     init_layers = None

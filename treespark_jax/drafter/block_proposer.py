@@ -15,7 +15,9 @@ cache's committed length.
 With context slots (``DrafterConfig.context_vocab``, ``drafter/context_vocab.py``) the state also
 holds each row's slots over its committed tokens: filled from the prompt by ``init`` and from the
 committed tokens by ``update``; ``propose`` adds the anchor, so a round drafts from the slots of
-every position up to its anchor, as training computes them.
+every position up to its anchor, as training computes them. With a pointer
+(``DrafterConfig.pointer_rank``) it also holds each slot's first position and pointer key, the
+key set by the ``update`` that commits that position's features.
 """
 
 from __future__ import annotations
@@ -65,12 +67,15 @@ class DrafterWeights:
 
 @pytree_dataclass
 class DrafterState:
-    """Proposer state: the weights, the context cache (``[L_d, B, K, S, E]``, ``lengths [B]``) and
-    the context slots of the committed tokens (``[B, W]`` int32; ``None`` without them)."""
+    """Proposer state: the weights, the context cache (``[L_d, B, K, S, E]``, ``lengths [B]``), the
+    context slots of the committed tokens and their first positions (``[B, W]`` int32; ``None``
+    without slots), and the slots' pointer keys (``[B, W, R]``; ``None`` without a pointer)."""
 
     weights: DrafterWeights
     context: KVCache
     slots: Int[Array, "B ctx"] | None = None
+    first: Int[Array, "B ctx"] | None = None
+    slot_keys: Float[Array, "B ctx ptr"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,22 +162,27 @@ class BlockProposer:
             raise ValueError("the block drafter needs the target's prefill features of its layer_ids.")
         drafter = self.drafter(weights)
         context = drafter.extend_context(drafter.empty_context(prompt.shape[0], capacity), features, prompt_lens)
-        slots = None
+        state = DrafterState(weights=weights, context=context)
         if self._has_slots(weights):
             in_prompt = jnp.arange(prompt.shape[1])[None, :] < prompt_lens[:, None]
-            slots = context_vocab.context_slots(prompt, weights.draft_head.outside(prompt) & in_prompt,
-                                                (prompt_lens - 1)[:, None], self.cfg.context_vocab)[:, 0]
-        return DrafterState(weights=weights, context=context, slots=slots)
+            slots, first = context_vocab.context_slots(prompt, weights.draft_head.outside(prompt) & in_prompt,
+                                                       (prompt_lens - 1)[:, None], self.cfg.context_vocab)
+            state = state.replace(slots=slots[:, 0], first=first[:, 0])
+            if self.cfg.pointer_rank:  # every prompt position lies before the first anchor
+                keys = drafter.pointer_keys(drafter.context_vectors(features))
+                state = state.replace(slot_keys=context_vocab.slot_keys(keys, first, prompt_lens[:, None])[:, 0])
+        return state
 
     def propose(self, state: DrafterState, anchor: Int[Array, "B"], keys) -> Proposal:
         """One block forward from each row's anchor (deterministic: ``keys`` are not used)."""
         drafter = self.drafter(state.weights)
         w = state.weights
         slots = None
-        if state.slots is not None:
-            slots = context_vocab.add_tokens(state.slots, anchor[:, None], jnp.ones_like(anchor),
-                                             w.draft_head.outside(anchor[:, None]))
-        out = drafter(anchor, state.context, w.head, depth=self.depth, draft_head=w.draft_head, slots=slots)
+        if state.slots is not None:  # the anchor's key waits for its features (update)
+            slots, _ = context_vocab.add_tokens(state.slots, state.first, anchor[:, None], state.context.lengths[:, None],
+                                                jnp.ones_like(anchor), w.draft_head.outside(anchor[:, None]))
+        out = drafter(anchor, state.context, w.head, depth=self.depth, draft_head=w.draft_head, slots=slots,
+                      slot_keys=state.slot_keys)
         return drafter.proposal(out, w.token_terms, None if w.draft_head is None else w.draft_head.vocab_ids)
 
     def update(self, state: DrafterState, committed: Committed) -> DrafterState:
@@ -183,12 +193,18 @@ class BlockProposer:
         """
         if committed.features is None:
             raise ValueError("the block drafter needs the target's features of the committed rows.")
-        context = self.drafter(state.weights).extend_context(state.context, committed.features, committed.n)
-        slots = state.slots
-        if slots is not None:
-            slots = context_vocab.add_tokens(slots, committed.tokens, committed.n,
-                                             state.weights.draft_head.outside(committed.tokens))
-        return state.replace(context=context, slots=slots)
+        drafter = self.drafter(state.weights)
+        positions = state.context.lengths[:, None] + jnp.arange(committed.tokens.shape[1], dtype=jnp.int32)
+        state = state.replace(context=drafter.extend_context(state.context, committed.features, committed.n))
+        if state.slots is not None:
+            slots, first = context_vocab.add_tokens(state.slots, state.first, committed.tokens, positions, committed.n,
+                                                    state.weights.draft_head.outside(committed.tokens))
+            state = state.replace(slots=slots, first=first)
+            if state.slot_keys is not None:
+                keys = drafter.pointer_keys(drafter.context_vectors(committed.features))
+                state = state.replace(slot_keys=context_vocab.commit_keys(state.slot_keys, first, keys, positions,
+                                                                          committed.n))
+        return state
 
     def _has_slots(self, weights: DrafterWeights) -> bool:
         """The drafter has context slots, and a draft vocabulary for them to extend."""

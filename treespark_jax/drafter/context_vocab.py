@@ -14,6 +14,10 @@ tokens are held, later ones stay outside. The rule reads only the tokens up to t
 training (``context_slots``, every anchor of a packed forward at once) and decoding
 (``add_tokens``, as tokens are committed) give the same slots at the same anchor.
 
+With a pointer (``DrafterConfig.pointer_rank``) a slot's logit also adds a copy score against the
+key of the position where its token first appeared, once that position's features are committed
+(``slot_keys`` in training, ``commit_keys`` in decoding: the same rule).
+
 This is the copy half of a pointer-generator (See et al., 2017, "Get To The Point") put on the
 columns of a reduced draft vocabulary (EAGLE-3's, FR-Spec's): the drafter attends to the
 context's features already, and the slots give it a column for what it finds there.
@@ -21,6 +25,7 @@ context's features already, and the slots give it a column for what it finds the
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from treespark_jax.typing import Array, Bool, Float, Int
@@ -33,8 +38,9 @@ EMPTY_LOGIT = -1e9
 
 
 def context_slots(tokens: Int[Array, "B T"], outside: Bool[Array, "B T"], anchors: Int[Array, "B anchors"],
-                  size: int) -> Int[Array, "B anchors ctx"]:
-    """Each anchor's context slots in a packed forward (module docstring).
+                  size: int) -> tuple[Int[Array, "B anchors ctx"], Int[Array, "B anchors ctx"]]:
+    """Each anchor's context slots in a packed forward (module docstring), and where each slot's
+    token first appeared.
 
     Args:
       tokens: ``[B, T]`` int32 sequences.
@@ -44,7 +50,8 @@ def context_slots(tokens: Int[Array, "B T"], outside: Bool[Array, "B T"], anchor
       size: ``W`` slots.
 
     Returns:
-      ``[B, A, W]`` int32 token ids, ``EMPTY`` where a slot is not filled by the anchor's position.
+      ``(ids, first)``, both ``[B, A, W]`` int32: the token ids, and the position of each one's first
+      occurrence; ``EMPTY`` in both where a slot is not filled by the anchor's position.
     """
     b, t = tokens.shape
     pos = jnp.arange(t, dtype=jnp.int32)
@@ -55,24 +62,27 @@ def context_slots(tokens: Int[Array, "B T"], outside: Bool[Array, "B T"], anchor
     rows = jnp.arange(b)[:, None]
     ids = jnp.full((b, size + 1), EMPTY, jnp.int32).at[rows, slot].set(tokens)[:, :size]
     at = jnp.full((b, size + 1), t, jnp.int32).at[rows, slot].set(jnp.broadcast_to(pos, (b, t)))[:, :size]
-    filled = at[:, None, :] <= anchors[:, :, None]  # an unused anchor (-1) sees none
-    return jnp.where(filled, ids[:, None, :], EMPTY)
+    filled = (ids[:, None, :] != EMPTY) & (at[:, None, :] <= anchors[:, :, None])  # an unused anchor (-1) sees none
+    return jnp.where(filled, ids[:, None, :], EMPTY), jnp.where(filled, at[:, None, :], EMPTY)
 
 
-def add_tokens(slots: Int[Array, "B ctx"], tokens: Int[Array, "B path"], n: Int[Array, "B"],
-               outside: Bool[Array, "B path"]) -> Int[Array, "B ctx"]:
+def add_tokens(slots: Int[Array, "B ctx"], first: Int[Array, "B ctx"], tokens: Int[Array, "B path"],
+               positions: Int[Array, "B path"], n: Int[Array, "B"], outside: Bool[Array, "B path"]
+               ) -> tuple[Int[Array, "B ctx"], Int[Array, "B ctx"]]:
     """The slots after the first ``n[b]`` of ``tokens`` (in order) were seen: each one outside the
     static ids and not held yet takes the next empty slot while one is left (decoding's half of
     ``context_slots``).
 
     Args:
       slots: ``[B, W]`` int32 the slots so far (filled ones first, then ``EMPTY``).
+      first: ``[B, W]`` int32 the position each slot's token first appeared at (``EMPTY`` if empty).
       tokens: ``[B, n_max]`` int32 the new tokens, oldest first.
+      positions: ``[B, n_max]`` int32 their positions.
       n: ``[B]`` int32 how many leading ``tokens`` count.
       outside: ``[B, n_max]`` bool each token is outside the static draft vocabulary.
 
     Returns:
-      ``[B, W]`` int32.
+      ``(slots, first)``, both ``[B, W]`` int32.
     """
     size = slots.shape[1]
     rows = jnp.arange(slots.shape[0])
@@ -80,8 +90,29 @@ def add_tokens(slots: Int[Array, "B ctx"], tokens: Int[Array, "B path"], n: Int[
         tok = tokens[:, i]
         filled = jnp.sum(slots != EMPTY, axis=1)
         new = (i < n) & outside[:, i] & ~jnp.any(slots == tok[:, None], axis=1) & (filled < size)
-        slots = slots.at[rows, jnp.where(new, filled, size)].set(tok, mode="drop")
-    return slots
+        at = jnp.where(new, filled, size)
+        slots = slots.at[rows, at].set(tok, mode="drop")
+        first = first.at[rows, at].set(positions[:, i], mode="drop")
+    return slots, first
+
+
+def slot_keys(keys: Float[Array, "B T ptr"], first: Int[Array, "B anchors ctx"], anchors: Int[Array, "B anchors"]
+              ) -> Float[Array, "B anchors ctx ptr"]:
+    """Each anchor's pointer keys in a packed forward: the key of the position where a slot's token
+    first appeared, where that position lies before the anchor (a token first seen at the anchor
+    has no features yet in decoding), else 0."""
+    keyed = (first >= 0) & (first < anchors[:, :, None])
+    gathered = jax.vmap(lambda k, f: k[jnp.maximum(f, 0)])(keys, first)  # [B, A, W, R]
+    return jnp.where(keyed[..., None], gathered, 0)
+
+
+def commit_keys(held: Float[Array, "B ctx ptr"], first: Int[Array, "B ctx"], keys: Float[Array, "B path ptr"],
+                positions: Int[Array, "B path"], n: Int[Array, "B"]) -> Float[Array, "B ctx ptr"]:
+    """Decoding's half of ``slot_keys``: ``held`` plus the keys of the first ``n[b]`` committed
+    positions at the slots whose token first appeared there (each position is committed once)."""
+    live = jnp.arange(positions.shape[1])[None, :] < n[:, None]
+    hit = (first[:, None, :] == positions[:, :, None]) & live[:, :, None] & (first[:, None, :] >= 0)
+    return held + jnp.einsum("bpw,bpr->bwr", hit.astype(keys.dtype), keys)
 
 
 def slot_columns(slots: Int[Array, "B *anchors ctx"], tokens: Int[Array, "B *anchors P"]

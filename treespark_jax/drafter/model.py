@@ -131,12 +131,16 @@ class DrafterOutput:
 
 
 def with_context_slots(hidden: Float[Array, "B *anchors P D"], logits: Float[Array, "B *anchors P U"], head: TargetHead,
-                       slots: Int[Array, "B *anchors ctx"] | None) -> DrafterOutput:
-    """The block's output with the context slots' logits (from ``head``, the whole LM head) after
-    the draft head's ``logits``; ``slots=None``: ``logits`` as they are."""
+                       slots: Int[Array, "B *anchors ctx"] | None,
+                       scores: Float[Array, "B *anchors P ctx"] | None = None) -> DrafterOutput:
+    """The block's output with the context slots' logits (from ``head``, the whole LM head, plus the
+    pointer ``scores`` if any) after the draft head's ``logits``; ``slots=None``: ``logits`` as they are."""
     if slots is None:
         return DrafterOutput(hidden=hidden, logits=logits)
-    extra = context_vocab.masked_logits(head.token_logits(hidden, slots), slots).astype(logits.dtype)
+    extra = head.token_logits(hidden, slots)
+    if scores is not None:
+        extra = extra + scores.astype(extra.dtype)
+    extra = context_vocab.masked_logits(extra, slots).astype(logits.dtype)
     return DrafterOutput(hidden=hidden, logits=jnp.concatenate([logits, extra], axis=-1), context=slots)
 
 
@@ -158,7 +162,8 @@ class BlockDrafter(nnx.Module):
 
     Parameters (all trainable): the context projection ``fc [m·D, D]`` and its RMSNorm scale,
     the MASK embedding ``[D]``, ``cfg.n_layers`` decoder layers of the target's family and
-    shapes, a final RMSNorm, and the enabled heads. The target's embedding and LM head are
+    shapes, a final RMSNorm, the enabled heads, and with ``cfg.pointer_rank = R`` the pointer's
+    query and key projections ``[D, R]`` (the query starts at zero: no copy score until trained). The target's embedding and LM head are
     arguments (``TargetHead``), not parameters.
 
     Args:
@@ -205,6 +210,9 @@ class BlockDrafter(nnx.Module):
         self.edge = EdgeHead(cfg.block_size, d, dtype) if cfg.edge_head else None
         self.confidence = (ConfidenceHead(d, dtype, cfg.markov_rank if cfg.confidence_markov else 0)
                            if cfg.confidence_head else None)
+        if cfg.pointer_rank:
+            self.pointer_query = nnx.Param(jnp.zeros((d, cfg.pointer_rank), dtype))
+            self.pointer_key = nnx.Param(normal((d, cfg.pointer_rank)))
         self.draft_vocab = (DraftVocab(jnp.arange(cfg.draft_vocab, dtype=jnp.int32)) if cfg.draft_vocab
                             else None)  # the real ids come from a checkpoint (``set_draft_vocab``)
 
@@ -285,25 +293,41 @@ class BlockDrafter(nnx.Module):
         positions = context.lengths[:, None] + offsets
         slots = jnp.where(offsets < n[:, None], positions, context.capacity)  # out of range: dropped
         k_all, v_all = context.k, context.v
-        for li, (k, v) in enumerate(self.context_keys_values(features, positions)):
+        for li, (k, v) in enumerate(self.context_keys_values(self.context_vectors(features), positions)):
             k_all = write_slots(k_all, li, slots, k)
             v_all = write_slots(v_all, li, slots, v)
         return context.replace(k=k_all, v=v_all, lengths=context.lengths + n.astype(jnp.int32))
 
-    def context_keys_values(self, features: Float[Array, "B T X"], positions: Int[Array, "B T"]
+    def context_vectors(self, features: Float[Array, "B T X"]) -> Float[Array, "B T D"]:
+        """The projected context ``RMSNorm(features @ fc)`` of target features ``[B, T, m·D]``
+        (concatenated in ``cfg.target_layer_ids`` order)."""
+        return rms_norm(features.astype(self.dtype) @ self.fc[...], self.context_norm[...], self.target_cfg.rms_eps)
+
+    def context_keys_values(self, ctx: Float[Array, "B T D"], positions: Int[Array, "B T"]
                             ) -> list[tuple[Float[Array, "B K T E"], Float[Array, "B K T E"]]]:
-        """Every drafter layer's keys (RoPE at ``positions``) and values of ``RMSNorm(features @ fc)``.
+        """Every drafter layer's keys (RoPE at ``positions``) and values of the projected context.
 
         Args:
-          features: ``[B, T, m·D]`` target features, concatenated in ``cfg.target_layer_ids`` order.
+          ctx: ``[B, T, D]`` ``context_vectors`` of the tokens.
           positions: ``[B, T]`` int32 absolute positions of the tokens the features belong to.
 
         Returns:
           One ``(k, v)`` pair per drafter layer, each ``[B, K, T, E]`` (head-major).
         """
         t_cfg = self.target_cfg
-        ctx = rms_norm(features.astype(self.dtype) @ self.fc[...], self.context_norm[...], t_cfg.rms_eps)
         return [key_value_heads(layer.arrays(t_cfg), t_cfg, ctx, positions) for layer in self.layers]
+
+    def pointer_keys(self, ctx: Float[Array, "B T D"]) -> Float[Array, "B T ptr"] | None:
+        """The pointer key ``c W_k`` of every projected context vector, or ``None`` without a pointer."""
+        return ctx @ self.pointer_key[...] if self.cfg.pointer_rank else None
+
+    def slot_scores(self, hidden: Float[Array, "B *anchors P D"], keys: Float[Array, "B *anchors ctx ptr"] | None
+                    ) -> Float[Array, "B *anchors P ctx"] | None:
+        """The pointer's copy score ``(h_j W_q) · k_w`` of every block slot against every context
+        slot's key (``context_vocab.slot_keys``), or ``None`` without keys."""
+        if keys is None:
+            return None
+        return jnp.einsum("...pr,...wr->...pw", hidden @ self.pointer_query[...], keys.astype(hidden.dtype))
 
     def block_inputs(self, anchor: Int[Array, "B"], head: TargetHead) -> Float[Array, "B P D"]:
         """Slot 0 = the anchor's (target) embedding, slots ``1..P−1`` = the MASK embedding (the
@@ -316,7 +340,8 @@ class BlockDrafter(nnx.Module):
 
     def __call__(self, anchor: Int[Array, "B"], context: KVCache, head: TargetHead,
                  depth: int | None = None, draft_head: TargetHead | None = None,
-                 slots: Int[Array, "B ctx"] | None = None) -> DrafterOutput:
+                 slots: Int[Array, "B ctx"] | None = None, slot_keys: Float[Array, "B ctx ptr"] | None = None
+                 ) -> DrafterOutput:
         """One block forward: slot ``j`` at position ``context.lengths + j``; the outputs are per depth.
 
         With ``cfg.sample_from_anchor`` output ``j`` is slot ``j``'s (depth ``j + 1``); without it
@@ -338,6 +363,7 @@ class BlockDrafter(nnx.Module):
           draft_head: ``head.restricted(draft vocabulary)``: logits over those ``K`` ids only.
           slots: ``[B, W]`` int32 each row's context slots up to its anchor (``context_vocab``;
             with ``draft_head`` only): ``W`` more logit columns after the ``K``.
+          slot_keys: ``[B, W, R]`` the slots' pointer keys (``context_vocab.commit_keys``), or ``None``.
 
         Returns:
           ``DrafterOutput`` with ``h_j [B, P', D]`` and ``U_j [B, P', V]`` (``[B, P', K + W]`` with
@@ -356,7 +382,8 @@ class BlockDrafter(nnx.Module):
 
         hidden = by_key_width(context.capacity, jnp.max(context.lengths), over, x)
         hidden = hidden[:, p - self.cfg.depths:][:, :depth]  # DFlash: the anchor slot does not predict
-        return with_context_slots(hidden, (draft_head or head).logits(hidden), head, slots)
+        return with_context_slots(hidden, (draft_head or head).logits(hidden), head, slots,
+                                  self.slot_scores(hidden, slot_keys))
 
     def blocks(self, x: Float[Array, "B Q D"], positions: Int[Array, "B Q"],
                context_kv: list[tuple[Float[Array, "B K S E"], Float[Array, "B K S E"]]],
@@ -400,7 +427,8 @@ class BlockDrafter(nnx.Module):
           head: the target's embedding and LM head.
           draft_head: ``head.restricted(draft vocabulary)``: logits over those ``K`` ids only, and
             with ``cfg.context_vocab = W`` over each block's ``W`` context slots after them
-            (``context_vocab.context_slots``, in ``DrafterOutput.context``).
+            (``context_vocab.context_slots``, in ``DrafterOutput.context``; with the pointer's
+            scores when ``cfg.pointer_rank``).
 
         Returns:
           ``DrafterOutput`` with ``hidden [B, A, P, D]`` and ``logits [B, A, P, V]`` (``[B, A, P, K + W]``
@@ -425,12 +453,17 @@ class BlockDrafter(nnx.Module):
         block_id = jnp.repeat(jnp.arange(a), p)
         same_block = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, a * p, a * p))
         mask = jnp.concatenate([sees_context, same_block], axis=2)
-        hidden = self.blocks(x, positions, self.context_keys_values(features, pos_t), mask)  # [B, A·P, D]
+        ctx = self.context_vectors(features)
+        hidden = self.blocks(x, positions, self.context_keys_values(ctx, pos_t), mask)  # [B, A·P, D]
         logits = (draft_head or head).logits(hidden).reshape(b, a, p, -1)
-        slots = None
+        hidden = hidden.reshape(b, a, p, -1)
+        slots = scores = None
         if self.cfg.context_vocab and draft_head is not None:
-            slots = context_vocab.context_slots(tokens, draft_head.outside(tokens), anchors, self.cfg.context_vocab)
-        return with_context_slots(hidden.reshape(b, a, p, -1), logits, head, slots)
+            slots, first = context_vocab.context_slots(tokens, draft_head.outside(tokens), anchors,
+                                                       self.cfg.context_vocab)
+            if self.cfg.pointer_rank:
+                scores = self.slot_scores(hidden, context_vocab.slot_keys(self.pointer_keys(ctx), first, anchors))
+        return with_context_slots(hidden, logits, head, slots, scores)
 
     def token_terms(self, head: TargetHead) -> Float[Array, "3 V"]:
         """Per-token head terms ``[w_t · E[t], w_x · E[t], w_c · E[t]]`` (edge parent, edge child,

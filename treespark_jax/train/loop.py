@@ -87,12 +87,14 @@ RUN_FILE = "run.json"
 # Bookkeeping that may change between a run and its resume (the rest must match).
 _FREE = ("save_every", "keep", "log_every")
 # What a run.json written without a key meant (offline runs record no "online"; runs before --top-p,
-# --tree-share, --mix-weights and --context-vocab no "on_policy" "top_p", "train" "tree_share" or
-# "mix_weights", "drafter" "context_vocab"); and the
+# --tree-share, --mix-weights, --context-vocab, --pointer-rank and the chain_kl weight no "on_policy"
+# "top_p", "train" "tree_share" or "mix_weights", "drafter" "context_vocab" or "pointer_rank",
+# "loss_config" "chain_kl"); and the
 # keys whose difference is named first, as the one the user changed (another loss changes the drafter's
 # heads too).
 _ABSENT = {"online": False, ("on_policy", "top_p"): 1.0, ("train", "tree_share"): None,
            ("train", "mix_weights"): None, ("drafter", "context_vocab"): 0,
+           ("drafter", "pointer_rank"): 0,
            ("loss_config", "chain_kl"): 0.0}
 _FIRST = ("loss", "online", "rollouts")  # before the settings they imply (draft vocabulary, records)
 
@@ -154,7 +156,7 @@ def _json(obj):
 _FLAGGED = {None: ("loss", "online", "init", "init_layers", "dtype", "rollouts"),
             "train": tuple(f.name for f in dataclasses.fields(TrainConfig)),
             "on_policy": tuple(f.name for f in dataclasses.fields(OnPolicyConfig)),
-            "drafter": ("block_size", "n_layers", "draft_vocab", "context_vocab")}
+            "drafter": ("block_size", "n_layers", "draft_vocab", "context_vocab", "pointer_rank")}
 _RENAMED = {"batch": "batch_size", "n_layers": "drafter_layers", "interval": "tree_interval", "buffer": "tree_buffer"}
 
 
@@ -226,7 +228,7 @@ def _drafter(loss: str, target, binding: TargetBinding, rollouts: RolloutSet | N
             raise ValueError(f"drafter {init} reads target layers {list(meta.cfg.target_layer_ids)} but the rollouts "
                              f"carry features of layers {list(rollouts.layer_ids)}.")
         shape = {k: getattr(meta.cfg, k) for k in ("n_layers", "block_size", "pool_size", "markov_rank",
-                                                    "context_vocab")}
+                                                    "context_vocab", "pointer_rank")}
         fields = {**shape, **fields}
     known = {} if layer_ids is None else {"target_layer_ids": layer_ids}
     cfg = drafter_config(loss, target.cfg, **{**known, **fields})  # checks K

@@ -161,7 +161,8 @@ def export(drafter: BlockDrafter, out: str | Path, fmt: str, *, source: str, hea
                     "format rank children by the draft probabilities instead"] if drafter.cfg.edge_head else [])
     if drafter.cfg.context_vocab and drafter.cfg.draft_vocab:
         not_carried.append(f"context slots ({drafter.cfg.context_vocab} tokens outside the draft vocabulary that the "
-                           "context has shown); runtimes of this format draft from the draft vocabulary only")
+                           "context has shown" + (", and their pointer scores" if drafter.cfg.pointer_rank else "")
+                           + "); runtimes of this format draft from the draft vocabulary only")
     tensors = backbone_tensors({k: params[k] for k in ("fc", "context_norm", "final_norm", "layers")})
     if fmt == "dflash":
         config = zlab.config(drafter.cfg, drafter.target_cfg)
