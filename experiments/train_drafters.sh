@@ -52,9 +52,17 @@ DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # draft vocabulary the drafters train on and d
 DSPARK=${DSPARK:-$DATA/dspark/drafter}
 T="$PY -m treespark_jax.cli"
 TRAIN_ARGS="--steps $STEPS --batch-size $BATCH --seq-len $SEQ --anchors $ANCHORS --save-every 100 --log-every 10"
-CONTEXT_VOCAB=${CONTEXT_VOCAB:-0}  # context slots beside the draft vocabulary (--context-vocab; docs/training.md)
+CONTEXT_VOCAB=${CONTEXT_VOCAB:-64}  # context slots beside the draft vocabulary (--context-vocab; docs/training.md)
+POINTER_RANK=${POINTER_RANK:-32}   # rank of the slots' pointer score (--pointer-rank; 0 = none)
+# loss weights every dspark and treespark run adds (--loss-weights; the KL term is what trains the slots' pointer)
+CHAIN_WEIGHTS=${CHAIN_WEIGHTS:-chain_kl=0.3}
+weights() {  # --loss-weights of CHAIN_WEIGHTS and the given ones (nothing when both are empty)
+  local all
+  all=$(printf '%s\n' "$CHAIN_WEIGHTS" "$@" | { grep -v '^$' || true; } | paste -sd, -)
+  if [ -n "$all" ]; then echo "--loss-weights $all"; fi
+}
 # the treespark stage and the ablations keep their --init drafter's draft vocabulary and context slots
-VOCAB_ARGS="--draft-vocab $DRAFT_VOCAB --context-vocab $CONTEXT_VOCAB"
+VOCAB_ARGS="--draft-vocab $DRAFT_VOCAB --context-vocab $CONTEXT_VOCAB --pointer-rank $POINTER_RANK"
 
 plain() { for s in $SETS; do echo "$DATA/rollouts-$s-$1"; done; }
 self_rollouts() {
@@ -102,7 +110,7 @@ stage_selfcode() {  # code prompts: the target continues the HumanEval wrapper f
     --out "$DATA/rollouts-selfcode$SELF_CODE-train"
 }
 stage_dflash() { $T train --rollouts $(train_plain) --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }
-stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dspark"; }
+stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS $VOCAB_ARGS $(weights) --out "$DATA/dspark"; }
 onpolicy_dir() { if [ "$REPLAY" = 1 ]; then echo "$DATA/replay-$1-train"; else echo "$DATA/onpolicy-$1-train"; fi; }
 stage_onpolicy() {
   for s in $ONPOLICY; do
@@ -125,7 +133,7 @@ treespark_sets() {  # the on-policy trees, and every plain rollout there is (a s
 }
 stage_treespark() {
   $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
-    --init "$DSPARK" $TRAIN_ARGS --out "$DATA/treespark"
+    --init "$DSPARK" $TRAIN_ARGS $(weights) --out "$DATA/treespark"
 }
 stage_eval() {
   for d in dflash:ddtree dspark:pctree treespark:treespark; do
@@ -150,7 +158,7 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
   # the shipped run's control: the same STEPS steps from the same start with every tree term off
   $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
     --init "$DSPARK" $TRAIN_ARGS \
-    --loss-weights "$NO_TREE_TERMS" --out "$DATA/ablate-shipped_no_tree_terms"
+    $(weights "$NO_TREE_TERMS") --out "$DATA/ablate-shipped_no_tree_terms"
   $T eval-drafter --drafter "$DATA/ablate-shipped_no_tree_terms/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" \
     --method treespark --budget "$BUDGET" --json-out "$DATA/ablate-shipped_no_tree_terms/eval.json"
   for v in $ABLATIONS; do
@@ -158,7 +166,7 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
     $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
       --init "$DSPARK" \
       --steps "$ABLATE_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 50 --log-every 10 \
-      ${w:+--loss-weights "$w"} --out "$DATA/ablate-$name"
+      $(weights "$w") --out "$DATA/ablate-$name"
     $T eval-drafter --drafter "$DATA/ablate-$name/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
       --budget "$BUDGET" --json-out "$DATA/ablate-$name/eval.json"
   done
@@ -234,12 +242,12 @@ PY
     others=$(train_plain)
     for seed in $ITER_SEEDS; do
       for variant in treespark control; do
-        local run="$dir/$variant-s$seed" weights=""
-        [ "$variant" = control ] && weights="--loss-weights $NO_TREE_TERMS"
+        local run="$dir/$variant-s$seed" terms=""
+        [ "$variant" = control ] && terms="$NO_TREE_TERMS"
         $T train --rollouts $trees $others --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
           --init "$start" --seed "$seed" --lr "$ITER_LR" \
           --steps "$ITER_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
-          --log-every 10 $weights --out "$run"
+          --log-every 10 $(weights $terms) --out "$run"
         iter_score "$run/drafter" "$run"
       done
     done
