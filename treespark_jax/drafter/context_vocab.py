@@ -37,6 +37,15 @@ EMPTY_LOGIT = -1e9
 """Logit of an empty slot: finite, so ``p · log q`` stays 0 where both are 0, and below every real logit."""
 
 
+def first_occurrences(tokens: Int[Array, "B T"]) -> Bool[Array, "B T"]:
+    """Whether each position holds the first occurrence of its token in the row, in ``O(T log T)``
+    (a stable sort puts a token's positions in order, the first of each run is its first)."""
+    order = jnp.argsort(tokens, axis=1, stable=True)
+    ranked = jnp.take_along_axis(tokens, order, axis=1)
+    starts = jnp.concatenate([jnp.ones_like(ranked[:, :1], bool), ranked[:, 1:] != ranked[:, :-1]], axis=1)
+    return jnp.zeros_like(starts).at[jnp.arange(tokens.shape[0])[:, None], order].set(starts)
+
+
 def context_slots(tokens: Int[Array, "B T"], outside: Bool[Array, "B T"], anchors: Int[Array, "B anchors"],
                   size: int) -> tuple[Int[Array, "B anchors ctx"], Int[Array, "B anchors ctx"]]:
     """Each anchor's context slots in a packed forward (module docstring), and where each slot's
@@ -55,8 +64,7 @@ def context_slots(tokens: Int[Array, "B T"], outside: Bool[Array, "B T"], anchor
     """
     b, t = tokens.shape
     pos = jnp.arange(t, dtype=jnp.int32)
-    seen_before = jnp.any((tokens[:, :, None] == tokens[:, None, :]) & (pos[:, None] > pos[None, :]), axis=2)
-    first = outside & ~seen_before  # [B, T] the first occurrence of a token outside
+    first = outside & first_occurrences(tokens)  # [B, T] the first occurrence of a token outside
     rank = jnp.cumsum(first, axis=1) - 1
     slot = jnp.where(first & (rank < size), rank, size)  # size: dropped
     rows = jnp.arange(b)[:, None]
