@@ -163,8 +163,8 @@ class BlockDrafter(nnx.Module):
     Parameters (all trainable): the context projection ``fc [m·D, D]`` and its RMSNorm scale,
     the MASK embedding ``[D]``, ``cfg.n_layers`` decoder layers of the target's family and
     shapes, a final RMSNorm, the enabled heads, and with ``cfg.pointer_rank = R`` the pointer's
-    query and key projections ``[D, R]`` (the query starts at zero: no copy score until trained). The target's embedding and LM head are
-    arguments (``TargetHead``), not parameters.
+    query and key projections ``[D, R]`` (the query starts at zero: no copy score until trained).
+    The target's embedding and LM head are arguments (``TargetHead``), not parameters.
 
     Args:
       cfg: drafter architecture.
