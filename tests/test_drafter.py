@@ -84,7 +84,8 @@ def forward(drafter, anchor, context, head):
 @nnx.jit(static_argnums=(3,))
 def full_context(drafter, features, lengths, capacity):
     """The context cache built in one call from every position's features."""
-    return drafter.extend_context(drafter.empty_context(features.shape[0], capacity), features, lengths)
+    return drafter.extend_context(drafter.empty_context(features.shape[0], capacity), drafter.context_vectors(features),
+                                  lengths)
 
 
 def first_proposal(proposer, features, anchor):

@@ -54,7 +54,8 @@ def saved(tmp_path_factory, drafter, binding):
 
 @nnx.jit
 def _proposal(drafter, head, features):
-    context = drafter.extend_context(drafter.empty_context(2, 16), features, jnp.asarray([6, 3]))
+    context = drafter.extend_context(drafter.empty_context(2, 16), drafter.context_vectors(features),
+                                     jnp.asarray([6, 3]))
     return drafter.proposal(drafter(jnp.asarray([5, 9]), context, head), drafter.token_terms(head))
 
 

@@ -46,7 +46,7 @@ def our_logits(drafter, target, features: np.ndarray, anchor: int, parents=None)
       the confidence logits ``[depths]`` of those parents (``None`` without a confidence head or parents).
     """
     t = features.shape[0]
-    context = drafter.extend_context(drafter.empty_context(1, 64), jnp.asarray(features)[None],
+    context = drafter.extend_context(drafter.empty_context(1, 64), drafter.context_vectors(jnp.asarray(features)[None]),
                                      jnp.array([t], jnp.int32))
     head = TargetHead.of(target, jnp.float32)
     draft_head = None if drafter.draft_vocab is None else head.restricted(drafter.draft_vocab[...])

@@ -161,7 +161,8 @@ class BlockProposer:
         if features is None:
             raise ValueError("the block drafter needs the target's prefill features of its layer_ids.")
         drafter = self.drafter(weights)
-        context = drafter.extend_context(drafter.empty_context(prompt.shape[0], capacity), features, prompt_lens)
+        ctx = drafter.context_vectors(features)
+        context = drafter.extend_context(drafter.empty_context(prompt.shape[0], capacity), ctx, prompt_lens)
         state = DrafterState(weights=weights, context=context)
         if self._has_slots(weights):
             in_prompt = jnp.arange(prompt.shape[1])[None, :] < prompt_lens[:, None]
@@ -169,8 +170,8 @@ class BlockProposer:
                                                        (prompt_lens - 1)[:, None], self.cfg.context_vocab)
             state = state.replace(slots=slots[:, 0], first=first[:, 0])
             if self.cfg.pointer_rank:  # every prompt position lies before the first anchor
-                keys = drafter.pointer_keys(drafter.context_vectors(features))
-                state = state.replace(slot_keys=context_vocab.slot_keys(keys, first, prompt_lens[:, None])[:, 0])
+                state = state.replace(slot_keys=context_vocab.slot_keys(drafter.pointer_keys(ctx), first,
+                                                                        prompt_lens[:, None])[:, 0])
         return state
 
     def propose(self, state: DrafterState, anchor: Int[Array, "B"], keys) -> Proposal:
@@ -179,8 +180,9 @@ class BlockProposer:
         w = state.weights
         slots = None
         if state.slots is not None:  # the anchor's key waits for its features (update)
-            slots, _ = context_vocab.add_tokens(state.slots, state.first, anchor[:, None], state.context.lengths[:, None],
-                                                jnp.ones_like(anchor), w.draft_head.outside(anchor[:, None]))
+            slots, _ = context_vocab.add_tokens(state.slots, state.first, anchor[:, None],
+                                                state.context.lengths[:, None], jnp.ones_like(anchor),
+                                                w.draft_head.outside(anchor[:, None]))
         out = drafter(anchor, state.context, w.head, depth=self.depth, draft_head=w.draft_head, slots=slots,
                       slot_keys=state.slot_keys)
         return drafter.proposal(out, w.token_terms, None if w.draft_head is None else w.draft_head.vocab_ids)
@@ -195,15 +197,16 @@ class BlockProposer:
             raise ValueError("the block drafter needs the target's features of the committed rows.")
         drafter = self.drafter(state.weights)
         positions = state.context.lengths[:, None] + jnp.arange(committed.tokens.shape[1], dtype=jnp.int32)
-        state = state.replace(context=drafter.extend_context(state.context, committed.features, committed.n))
+        ctx = drafter.context_vectors(committed.features)
+        state = state.replace(context=drafter.extend_context(state.context, ctx, committed.n))
         if state.slots is not None:
             slots, first = context_vocab.add_tokens(state.slots, state.first, committed.tokens, positions, committed.n,
                                                     state.weights.draft_head.outside(committed.tokens))
             state = state.replace(slots=slots, first=first)
             if state.slot_keys is not None:
-                keys = drafter.pointer_keys(drafter.context_vectors(committed.features))
-                state = state.replace(slot_keys=context_vocab.commit_keys(state.slot_keys, first, keys, positions,
-                                                                          committed.n))
+                keys = context_vocab.commit_keys(state.slot_keys, first, drafter.pointer_keys(ctx), positions,
+                                                 committed.n)
+                state = state.replace(slot_keys=keys)
         return state
 
     def _has_slots(self, weights: DrafterWeights) -> bool:

@@ -119,7 +119,7 @@ def commit_keys(held: Float[Array, "B ctx ptr"], first: Int[Array, "B ctx"], key
     """Decoding's half of ``slot_keys``: ``held`` plus the keys of the first ``n[b]`` committed
     positions at the slots whose token first appeared there (each position is committed once)."""
     live = jnp.arange(positions.shape[1])[None, :] < n[:, None]
-    hit = (first[:, None, :] == positions[:, :, None]) & live[:, :, None] & (first[:, None, :] >= 0)
+    hit = (first[:, None, :] == positions[:, :, None]) & live[:, :, None]  # an empty slot's EMPTY is no position
     return held + jnp.einsum("bpw,bpr->bwr", hit.astype(keys.dtype), keys)
 
 

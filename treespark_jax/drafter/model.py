@@ -270,30 +270,29 @@ class BlockDrafter(nnx.Module):
         return KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype),
                        lengths=jnp.zeros((batch,), jnp.int32))
 
-    def extend_context(self, context: KVCache, features: Float[Array, "B T X"], n: Int[Array, "B"]
-                       ) -> KVCache:
-        """Appends the first ``n[b]`` rows of ``features`` to each row's context.
+    def extend_context(self, context: KVCache, ctx: Float[Array, "B T D"], n: Int[Array, "B"]) -> KVCache:
+        """Appends the first ``n[b]`` rows of the projected context ``ctx`` to each row's context.
 
-        Row ``t`` of ``features`` is the target's feature vector of the token at position
-        ``context.lengths[b] + t`` (slot = position: the context holds every committed token from
-        position 0). Each drafter layer's keys (RoPE at that position) and values of
-        ``RMSNorm(features @ fc)`` go to those slots; rows ``t ≥ n[b]`` and slots beyond the
-        capacity are dropped.
+        Row ``t`` of ``ctx`` is ``context_vectors`` of the target's features of the token at
+        position ``context.lengths[b] + t`` (slot = position: the context holds every committed
+        token from position 0). Each drafter layer's keys (RoPE at that position) and values go to
+        those slots; rows ``t ≥ n[b]`` and slots beyond the capacity are dropped.
 
         Args:
           context: the cache (``[L_d, B, K, S, E]``, per-row ``lengths``).
-          features: ``[B, T, m·D]`` target features, concatenated in ``cfg.target_layer_ids`` order.
+          ctx: ``[B, T, D]`` ``context_vectors(features)`` (the caller projects once, for the
+            pointer's keys too).
           n: ``[B]`` int32 rows to commit per batch row (0 leaves the row unchanged).
 
         Returns:
           The cache with ``lengths + n``.
         """
-        t = features.shape[1]
+        t = ctx.shape[1]
         offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
         positions = context.lengths[:, None] + offsets
         slots = jnp.where(offsets < n[:, None], positions, context.capacity)  # out of range: dropped
         k_all, v_all = context.k, context.v
-        for li, (k, v) in enumerate(self.context_keys_values(self.context_vectors(features), positions)):
+        for li, (k, v) in enumerate(self.context_keys_values(ctx, positions)):
             k_all = write_slots(k_all, li, slots, k)
             v_all = write_slots(v_all, li, slots, v)
         return context.replace(k=k_all, v=v_all, lengths=context.lengths + n.astype(jnp.int32))
