@@ -5,7 +5,8 @@
 #      SELF_CODE > 0 that many code prompts it writes after the HumanEval wrapper, `--user-prefix`; with
 #      SAMPLES > 0 that many sampled answers to each training prompt of SAMPLE_SETS)
 #   2. a dflash drafter and a dspark drafter on the same data for the same steps, each trained on its
-#      draft vocabulary (the DRAFT_VOCAB most frequent tokens of the training rollouts)
+#      draft vocabulary (the DRAFT_VOCAB most frequent tokens of the training rollouts), drawing math, code and
+#      chat records a third each (MIX)
 #   3. on-policy rollouts with the dspark drafter (every verified tree logged): greedy ones replayed from the
 #      plain rollouts of stage 1 (REPLAY=1, `treespark replay`), or decoded speculatively (REPLAY=0)
 #   4. a treespark drafter warm-started from the dspark one (and its draft vocabulary), trained on the
@@ -74,6 +75,37 @@ sampled() {
   for s in $SAMPLE_SETS; do for i in $(seq 1 "$SAMPLES"); do sampled_dir "$s" "$i"; done; done
 }
 train_plain() { plain train; self_rollouts; sampled; }  # the sets' train splits, the self-generated prompts, samples
+# How the dflash and dspark stages draw their records: `records` draws every record of train_plain alike, so a
+# domain weighs what its records do (4,000 chat prompts made GSM8K 21 % and code 10 % of the 20× run's tokens,
+# docs/training.md); `domains` gives math (GSM8K and its samples), code (HumanEval and the self-code prompts) and
+# chat (MT-Bench and the self-generated prompts) a third of the draws each, records alike within a domain
+# (--mix-weights). The treespark stages draw by --tree-share, which --mix-weights cannot join.
+MIX=${MIX:-domains}
+domain_of() {  # the domain of train_plain's directory $1, by its name
+  case "$(basename "$1")" in
+    rollouts-gsm8k-*) echo math ;;
+    rollouts-humaneval-* | rollouts-selfcode*) echo code ;;
+    *) echo chat ;;
+  esac
+}
+plain_mix() {  # --rollouts of train_plain, and under MIX=domains their --mix-weights
+  local dirs
+  dirs=$(train_plain)
+  echo --rollouts $dirs
+  [ "$MIX" = records ] && return 0
+  [ "$MIX" = domains ] || { echo "MIX=$MIX must be records or domains" >&2; return 1; }
+  for d in $dirs; do echo "$(domain_of "$d") $d"; done | $PY -c '
+import sys
+from collections import Counter
+from treespark_jax.rollouts.store import read_manifest
+
+rows = [line.split() for line in sys.stdin]
+records = {d: read_manifest(d)["records"] for _, d in rows}
+per_domain = Counter()
+for domain, d in rows:
+    per_domain[domain] += records[d]
+print("--mix-weights " + ",".join(f"{records[d] / per_domain[domain]:.6g}" for domain, d in rows))'
+}
 
 stage_rollouts() {
   for s in $SETS; do
@@ -109,8 +141,12 @@ stage_selfcode() {  # code prompts: the target continues the HumanEval wrapper f
   $T rollout --prompts "$DATA/self-code-$SELF_CODE.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
     --out "$DATA/rollouts-selfcode$SELF_CODE-train"
 }
-stage_dflash() { $T train --rollouts $(train_plain) --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }
-stage_dspark() { $T train --rollouts $(train_plain) --loss dspark $TRAIN_ARGS $VOCAB_ARGS $(weights) --out "$DATA/dspark"; }
+stage_dflash() { local data; data=$(plain_mix); $T train $data --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }
+stage_dspark() {
+  local data
+  data=$(plain_mix)
+  $T train $data --loss dspark $TRAIN_ARGS $VOCAB_ARGS $(weights) --out "$DATA/dspark"
+}
 onpolicy_dir() { if [ "$REPLAY" = 1 ]; then echo "$DATA/replay-$1-train"; else echo "$DATA/onpolicy-$1-train"; fi; }
 stage_onpolicy() {
   for s in $ONPOLICY; do
