@@ -6,7 +6,7 @@
 #      SAMPLES > 0 that many sampled answers to each training prompt of SAMPLE_SETS)
 #   2. a dflash drafter and a dspark drafter on the same data for the same steps, each trained on its
 #      draft vocabulary (the DRAFT_VOCAB most frequent tokens of the training rollouts), drawing math, code and
-#      chat records a third each (MIX)
+#      chat records a third each (MIX, which every training stage follows)
 #   3. on-policy rollouts with the dspark drafter (every verified tree logged): greedy ones replayed from the
 #      plain rollouts of stage 1 (REPLAY=1, `treespark replay`), or decoded speculatively (REPLAY=0)
 #   4. a treespark drafter warm-started from the dspark one (and its draft vocabulary), trained on the
@@ -75,36 +75,44 @@ sampled() {
   for s in $SAMPLE_SETS; do for i in $(seq 1 "$SAMPLES"); do sampled_dir "$s" "$i"; done; done
 }
 train_plain() { plain train; self_rollouts; sampled; }  # the sets' train splits, the self-generated prompts, samples
-# How the dflash and dspark stages draw their records: `records` draws every record of train_plain alike, so a
-# domain weighs what its records do (4,000 chat prompts made GSM8K 21 % and code 10 % of the 20× run's tokens,
-# docs/training.md); `domains` gives math (GSM8K and its samples), code (HumanEval and the self-code prompts) and
-# chat (MT-Bench and the self-generated prompts) a third of the draws each, records alike within a domain
-# (--mix-weights). The treespark stages draw by --tree-share, which --mix-weights cannot join.
+# How a training run draws its records. `records`: every record alike (with --tree-share for the treespark stages:
+# that share of every batch from the directories with logged trees), so a domain weighs what its records do (4,000
+# chat prompts made GSM8K 21 % and code 10 % of the 20× run's tokens, docs/training.md). `domains`: the plain
+# records' draws go a third each to math (GSM8K and its samples), code (HumanEval and the self-code prompts) and
+# chat (MT-Bench and the self-generated prompts), records alike within a domain; the records with logged trees
+# keep TREE_SHARE of the draws, records alike among them (both by --mix-weights).
 MIX=${MIX:-domains}
-domain_of() {  # the domain of train_plain's directory $1, by its name
+domain_of() {  # the domain of plain rollout directory $1, by its name (one with trees: the manifest says so)
   case "$(basename "$1")" in
     rollouts-gsm8k-*) echo math ;;
     rollouts-humaneval-* | rollouts-selfcode*) echo code ;;
     *) echo chat ;;
   esac
 }
-plain_mix() {  # --rollouts of train_plain, and under MIX=domains their --mix-weights
-  local dirs
-  dirs=$(train_plain)
-  echo --rollouts $dirs
-  [ "$MIX" = records ] && return 0
+mix() {  # --rollouts $2... and how they are drawn (MIX); $1 = the share of directories with logged trees (0: none)
+  local share=$1
+  shift
+  echo --rollouts "$@"
+  if [ "$MIX" = records ]; then
+    if [ "$share" != 0 ]; then echo --tree-share "$share"; fi
+    return 0
+  fi
   [ "$MIX" = domains ] || { echo "MIX=$MIX must be records or domains" >&2; return 1; }
-  for d in $dirs; do echo "$(domain_of "$d") $d"; done | $PY -c '
+  for d in "$@"; do echo "$(domain_of "$d") $d"; done | $PY -c '
 import sys
 from collections import Counter
 from treespark_jax.rollouts.store import read_manifest
 
+share = float(sys.argv[1])
 rows = [line.split() for line in sys.stdin]
-records = {d: read_manifest(d)["records"] for _, d in rows}
-per_domain = Counter()
-for domain, d in rows:
-    per_domain[domain] += records[d]
-print("--mix-weights " + ",".join(f"{records[d] / per_domain[domain]:.6g}" for domain, d in rows))'
+manifests = {d: read_manifest(d) for _, d in rows}
+group = {d: "trees" if manifests[d]["trees"] else domain for domain, d in rows}
+records, total = {d: m["records"] for d, m in manifests.items()}, Counter()
+for d, g in group.items():
+    total[g] += records[d]
+domains = len(total) - ("trees" in total)
+of = {g: share if g == "trees" else (1 - share) / domains for g in total}
+print("--mix-weights " + ",".join(f"{of[group[d]] * records[d] / total[group[d]]:.6g}" for _, d in rows))' "$share"
 }
 
 stage_rollouts() {
@@ -141,10 +149,10 @@ stage_selfcode() {  # code prompts: the target continues the HumanEval wrapper f
   $T rollout --prompts "$DATA/self-code-$SELF_CODE.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
     --out "$DATA/rollouts-selfcode$SELF_CODE-train"
 }
-stage_dflash() { local data; data=$(plain_mix); $T train $data --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }
+stage_dflash() { local data; data=$(mix 0 $(train_plain)); $T train $data --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }
 stage_dspark() {
   local data
-  data=$(plain_mix)
+  data=$(mix 0 $(train_plain))
   $T train $data --loss dspark $TRAIN_ARGS $VOCAB_ARGS $(weights) --out "$DATA/dspark"
 }
 onpolicy_dir() { if [ "$REPLAY" = 1 ]; then echo "$DATA/replay-$1-train"; else echo "$DATA/onpolicy-$1-train"; fi; }
@@ -168,8 +176,9 @@ treespark_sets() {  # the on-policy trees, and every plain rollout there is (a s
   sampled
 }
 stage_treespark() {
-  $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
-    --init "$DSPARK" $TRAIN_ARGS $(weights) --out "$DATA/treespark"
+  local data
+  data=$(mix "$TREE_SHARE" $(treespark_sets))
+  $T train $data --loss treespark --trees 4 --init "$DSPARK" $TRAIN_ARGS $(weights) --out "$DATA/treespark"
 }
 stage_eval() {
   for d in dflash:ddtree dspark:pctree treespark:treespark; do
@@ -184,6 +193,8 @@ NO_TREE_TERMS=tree_tv=0,tree_ce=0,tree_coverage=0,tree_edge=0
 # before 2026-12-04; unit_weights: DESIGN.md §1.4's own; no_tree_terms: the edge term off too
 ABLATIONS="full: node_terms:tree_tv=0.09,tree_ce=0.01,tree_coverage=0.1 unit_weights:tree_tv=0.9,tree_ce=0.1,tree_coverage=1,tree_edge=1 no_tree_terms:$NO_TREE_TERMS"
 stage_ablate() {  # treespark loss terms, each variant from the dspark drafter for ABLATE_STEPS, offline tree τ on GSM8K eval
+  local data
+  data=$(mix "$TREE_SHARE" $(treespark_sets))
   $T rollout --prompts gsm8k --split eval --max-new-tokens "$NEW" --batch-size "$RBATCH" --out "$DATA/rollouts-gsm8k-eval"
   mkdir -p "$DATA/ablate-start"  # the reference: the dspark drafter every variant starts from
   $T eval-drafter --drafter "$DSPARK" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
@@ -192,15 +203,13 @@ stage_ablate() {  # treespark loss terms, each variant from the dspark drafter f
   $T eval-drafter --drafter "$DATA/treespark/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
     --budget "$BUDGET" --json-out "$DATA/ablate-shipped/eval.json"
   # the shipped run's control: the same STEPS steps from the same start with every tree term off
-  $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
-    --init "$DSPARK" $TRAIN_ARGS \
+  $T train $data --loss treespark --trees 4 --init "$DSPARK" $TRAIN_ARGS \
     $(weights "$NO_TREE_TERMS") --out "$DATA/ablate-shipped_no_tree_terms"
   $T eval-drafter --drafter "$DATA/ablate-shipped_no_tree_terms/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" \
     --method treespark --budget "$BUDGET" --json-out "$DATA/ablate-shipped_no_tree_terms/eval.json"
   for v in $ABLATIONS; do
     name=${v%%:*} w=${v#*:}
-    $T train --rollouts $(treespark_sets) --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
-      --init "$DSPARK" \
+    $T train $data --loss treespark --trees 4 --init "$DSPARK" \
       --steps "$ABLATE_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 50 --log-every 10 \
       $(weights "$w") --out "$DATA/ablate-$name"
     $T eval-drafter --drafter "$DATA/ablate-$name/drafter" --rollouts "$DATA/rollouts-gsm8k-eval" --method treespark \
@@ -274,13 +283,13 @@ PY
       trees="$dir/onpolicy"
     fi
     if [ "$r" = 1 ]; then mkdir -p "$dir/start" && iter_score "$start" "$dir/start"; fi  # later: round r-1's
-    local others
-    others=$(train_plain)
+    local data
+    data=$(mix "$TREE_SHARE" $trees $(train_plain))
     for seed in $ITER_SEEDS; do
       for variant in treespark control; do
         local run="$dir/$variant-s$seed" terms=""
         [ "$variant" = control ] && terms="$NO_TREE_TERMS"
-        $T train --rollouts $trees $others --loss treespark --trees 4 --tree-share "$TREE_SHARE" \
+        $T train $data --loss treespark --trees 4 \
           --init "$start" --seed "$seed" --lr "$ITER_LR" \
           --steps "$ITER_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
           --log-every 10 $(weights $terms) --out "$run"
