@@ -244,3 +244,34 @@ def test_context_slots_give_the_whole_vocabulary_values_at_their_tokens(target):
     assert np.any(in_cols & (labels >= 24))  # a gold token drafted from a slot
     total, _, grads = loss_and_grads(drafter, head, jax.device_get(batch), "dspark", draft_head=cut_head)
     assert np.isfinite(float(total)) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_the_evaluator_counts_the_mass_and_the_labels_of_the_context_slots(target):
+    """``evaluate_drafter``'s slot metrics equal a reference: the drafter's mass on the slot columns
+    of its own softmax, the target's whole-vocabulary probability of the slot tokens, the gold
+    labels a block's slots hold and those the drafter ranks first."""
+    drafter = make_drafter(target, "dspark")
+    drafter = BlockDrafter(dataclasses.replace(drafter.cfg, context_vocab=6), target.cfg, rngs=nnx.Rngs(0), std=0.1)
+    static = np.random.default_rng(1).permutation(target.cfg.vocab_size)[:24]
+    drafter = drafter.with_draft_vocab(static)
+    batch = jax.tree.map(jnp.asarray, batch_from_records(rollouts(target, n=3), seq_len=32, n_anchors=4,
+                                                         rng=np.random.default_rng(4)))
+    head = TargetHead.of(target, jnp.float32)
+    cut_head = head.restricted(static)
+    whole = gold_chain(drafter, head, batch, drafter.packed(batch.tokens, batch.features, batch.anchors, head))
+    cut = gold_chain(drafter, head, batch, drafter.packed(batch.tokens, batch.features, batch.anchors, head, cut_head),
+                     cut_head)
+    mask, slots, gold = np.asarray(whole.mask), np.asarray(cut.slots), np.asarray(whole.gold)
+    q = np.asarray(jax.nn.softmax(cut.q, -1))
+    p = np.asarray(jax.nn.softmax(whole.target_logits, -1))  # [blocks, P, V]
+    held = slots >= 0
+    target_mass = np.sum(np.where(held[:, None], np.take_along_axis(p, np.maximum(slots, 0)[:, None, :], 2), 0), -1)
+    in_slots = mask & np.any((gold[..., None] == slots[:, None, :]) & held[:, None], -1)
+    top = np.argmax(q, -1)
+    top_token = np.where(top < 24, static[np.minimum(top, 23)], np.take_along_axis(slots, np.maximum(top - 24, 0), 1))
+    first = in_slots & (top_token == gold)
+    got = evaluate_drafter(drafter, head, [batch])["slots"]
+    assert in_slots.sum() > 0 and got["labels"] == int(in_slots.sum()) and got["ranked_first"] == int(first.sum())
+    np.testing.assert_allclose(got["drafter_mass"], np.sum(q[..., 24:].sum(-1) * mask) / mask.sum(), rtol=1e-5)
+    np.testing.assert_allclose(got["target_mass"], np.sum(target_mass * mask) / mask.sum(), rtol=1e-5)
+    assert evaluate_drafter(make_drafter(target, "dspark"), head, [batch])["slots"] is None

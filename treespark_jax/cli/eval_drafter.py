@@ -87,5 +87,9 @@ def run(args: argparse.Namespace) -> None:
         print(f"{'replayed τ':<10} {replayed['tau']:.3f}  (greedy decoding replayed, {replayed['rounds']} rounds: what "
               "bench measures with the whole budget every round)")
     print(f"{'α/depth':<10} " + " ".join(f"{a:.2f}" for a in result["alpha"]) + f"  ({ALPHA_NOTE})")
+    if result["slots"] is not None:
+        slots = result["slots"]
+        print(f"{'slots':<10} mass {100 * slots['drafter_mass']:.2f} % (target {100 * slots['target_mass']:.2f} %); "
+              f"{slots['ranked_first']} of the {slots['labels']} gold labels in slots ranked first (context slots)")
     if args.json_out:
         write_text_atomic(args.json_out, json.dumps(result, indent=2))

@@ -13,6 +13,10 @@
   prediction: the data of a reliability diagram (``experiments/edge_calibration.py``), and what
   the cost-aware stop relies on (docs/cost_model.md).
 
+- Context slots (a drafter with ``context_vocab``, ``drafter.context_vocab``): the mass the drafter
+  and the target put on the slot columns, per labelled row, and how many gold labels are slot
+  tokens and how many of those the drafter ranks first.
+
 All are pooled over the anchors of every batch (each anchor's first label is a response token).
 """
 
@@ -28,12 +32,12 @@ from flax import nnx
 
 from treespark_jax.config import TreeConfig, VerifyRule
 from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
-from treespark_jax.losses.chain import chain_acceptance
+from treespark_jax.losses.chain import chain_acceptance, target_log_probs
 from treespark_jax.train.batches import TrainBatch, batch_from_records
-from treespark_jax.train.objective import gold_chain
+from treespark_jax.train.objective import GoldChain, gold_chain
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.tree.builders import build_tree
-from treespark_jax.typing import Array, Bool, Int
+from treespark_jax.typing import Array, Bool, Float, Int
 
 
 CALIBRATION_BINS = 10
@@ -139,9 +143,26 @@ def anchor_trees(drafter: BlockDrafter, head: TargetHead, draft_head: TargetHead
     return build_tree(proposal, anchor_tokens, tree_cfg, rule=VerifyRule.GREEDY)
 
 
+def slot_sums(chain: GoldChain, columns: int) -> Float[Array, "4"]:
+    """Sums over the labelled rows of ``chain`` for its context slots (columns ``columns..``).
+
+    Returns:
+      ``[4]`` float32: the drafter's mass on the slots, the target's (its whole-vocabulary
+      normaliser), the gold labels that are slot tokens, and those the drafter ranks first.
+    """
+    log_p, _ = target_log_probs(chain.target_logits, chain.target_lse)
+    in_slots = chain.mask & (chain.labels >= columns) & (chain.labels < chain.q.shape[-1])  # else no slot holds it
+    first = in_slots & (jnp.argmax(chain.q, axis=-1) == chain.labels)
+    mass = [jnp.sum(jax.nn.softmax(chain.q.astype(jnp.float32), -1)[..., columns:], -1),
+            jnp.sum(jnp.exp(log_p[..., columns:]), -1)]
+    return jnp.stack([jnp.sum(jnp.where(chain.mask, m, 0)) for m in mass]
+                     + [jnp.sum(in_slots).astype(jnp.float32), jnp.sum(first).astype(jnp.float32)])
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "tree_cfg"))
 def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_cfg: TreeConfig | None):
-    """Sums over one batch: blocks, chain τ, tree τ (0 without a tree), α per depth and its count."""
+    """Sums over one batch: blocks, chain τ, tree τ (0 without a tree), α per depth and its count,
+    the edge calibration (``None`` without a tree) and the slot sums (``None`` without slots)."""
     drafter = nnx.merge(graphdef, params)
     draft_head = None if drafter.draft_vocab is None else head.restricted(drafter.draft_vocab[...])
     out = drafter.packed(batch.tokens, batch.features, batch.anchors, head, draft_head)
@@ -158,7 +179,8 @@ def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_c
         tree_tau = jnp.sum(jnp.where(used, 1 + accepted, 0))
         calibration = edge_calibration(tree, chain.gold, chain.mask, used)
     w = chain.mask.astype(alpha.dtype)
-    return jnp.sum(used), chain_tau, tree_tau, jnp.sum(alpha * w, 0), jnp.sum(w, 0), calibration
+    slots = None if chain.slots is None else slot_sums(chain, draft_head.embed.shape[0])
+    return jnp.sum(used), chain_tau, tree_tau, jnp.sum(alpha * w, 0), jnp.sum(w, 0), calibration, slots
 
 
 def evaluate_drafter(drafter: BlockDrafter, head: TargetHead, batches: Iterable[TrainBatch],
@@ -175,8 +197,10 @@ def evaluate_drafter(drafter: BlockDrafter, head: TargetHead, batches: Iterable[
 
     Returns:
       ``{"blocks", "chain_tau", "tree_tau" (None without a tree), "alpha" [P] list,
-      "calibration"}``; ``calibration`` is ``None`` without a tree, else ``{"bins", "count",
-      "predicted", "accepted"}`` with ``[P][bins]`` lists (``edge_calibration``, pooled).
+      "calibration", "slots"}``; ``calibration`` is ``None`` without a tree, else ``{"bins", "count",
+      "predicted", "accepted"}`` with ``[P][bins]`` lists (``edge_calibration``, pooled); ``slots``
+      is ``None`` without context slots, else ``{"drafter_mass", "target_mass"}`` (the mean mass on
+      the slot columns per labelled row) and ``{"labels", "ranked_first"}`` (counts; ``slot_sums``).
 
     Raises:
       ValueError: when no batch holds an anchor (nothing to evaluate).
@@ -184,21 +208,27 @@ def evaluate_drafter(drafter: BlockDrafter, head: TargetHead, batches: Iterable[
     graphdef, params = nnx.split(drafter)
     blocks = chain = tree_sum = 0.0
     alpha = count = 0.0
-    calibration = None
+    calibration = slots = None
     for batch in batches:
         sums = jax.device_get(_batch_sums(graphdef, params, head, jax.tree.map(jnp.asarray, batch), tree_cfg=tree))
         blocks, chain, tree_sum = blocks + sums[0], chain + sums[1], tree_sum + sums[2]
         alpha, count = alpha + sums[3], count + sums[4]
         if sums[5] is not None:
             calibration = sums[5] if calibration is None else tuple(a + b for a, b in zip(calibration, sums[5]))
+        if sums[6] is not None:
+            slots = sums[6] if slots is None else slots + sums[6]
     if not blocks:
         raise ValueError("the rollouts hold no anchor with a response label; nothing to evaluate.")
+    rows = max(float(np.sum(count)), 1.0)
     return {"blocks": int(blocks), "chain_tau": float(chain / blocks),
             "tree_tau": float(tree_sum / blocks) if tree is not None else None,
             "alpha": (np.asarray(alpha) / np.maximum(np.asarray(count), 1)).tolist(),
             "calibration": None if calibration is None else {
                 "bins": CALIBRATION_BINS, **{k: np.asarray(v).tolist()
-                                             for k, v in zip(("count", "predicted", "accepted"), calibration)}}}
+                                             for k, v in zip(("count", "predicted", "accepted"), calibration)}},
+            "slots": None if slots is None else {"drafter_mass": float(slots[0] / rows),
+                                                 "target_mass": float(slots[1] / rows),
+                                                 "labels": int(slots[2]), "ranked_first": int(slots[3])}}
 
 
 def rollout_batches(rollouts, *, batch: int, n_anchors: int, seed: int = 0) -> Iterable[TrainBatch]:
