@@ -15,8 +15,10 @@ rows, as one request's cache), at batch 1, donated and written in place as in a 
   step's widths until the commit after 3243c55);
 - ``key blocks``: blocks of ``block_attention.KEY_BLOCK`` slots up to the committed context and
   the new rows, online softmax, for every call; ``key blocks@N`` with blocks of ``N`` slots;
-- ``library``: ``block_attention.cache_attention``, what the decoder runs: leading widths for one
-  row, key blocks for more.
+- ``xla``: ``block_attention.cache_attention`` with the CPU kernel off (``TREESPARK_CPU_KERNELS=off``
+  while it is traced): leading widths for one row, key blocks for more (the library until the kernel);
+- ``library``: ``block_attention.cache_attention``, what the decoder runs: the CPU kernel
+  (``models/cache_attention.py``) where it applies.
 
 Rows 1 is the one-row decode step, rows 9 the verify call of an 8-node tree. Calls are timed in
 interleaved sweeps (``bench/profile.interleaved_seconds``); the table gives each cell's median
@@ -25,7 +27,7 @@ smallest context. On a shared machine the minimum is the steadier of the two.
 
 Usage:
   python experiments/bench_context.py [--preset smollm2-135m] [--contexts 64,256,1024,2048]
-      [--rows 1,9] [--modes "pow2 width,library"] [--repeats 7]
+      [--rows 1,9] [--modes "xla,library"] [--repeats 7]
       [--json-out experiments/results/bench_context.json]
 """
 
@@ -48,7 +50,7 @@ from treespark_jax.models import block_attention, decoder, kv_cache
 from treespark_jax.models.layers import attention
 from treespark_jax.models.load import load_target
 
-MODES = ("capacity", "pow2 width", "key width", "key blocks", "library")
+MODES = ("capacity", "pow2 width", "key width", "key blocks", "xla", "library")
 
 
 def leading_width(min_width: int, per_octave: int):
@@ -81,6 +83,19 @@ def key_blocks(size: int):
     return call
 
 
+def without_kernel(*args):
+    """``block_attention.cache_attention`` traced with the CPU kernel off."""
+    saved = os.environ.get("TREESPARK_CPU_KERNELS")
+    os.environ["TREESPARK_CPU_KERNELS"] = "off"
+    try:
+        return block_attention.cache_attention(*args)
+    finally:
+        if saved is None:
+            del os.environ["TREESPARK_CPU_KERNELS"]
+        else:
+            os.environ["TREESPARK_CPU_KERNELS"] = saved
+
+
 def variant(mode: str, capacity: int):
     """The attention function of ``mode`` (see the module docstring)."""
     if mode == "capacity":
@@ -89,6 +104,8 @@ def variant(mode: str, capacity: int):
         return leading_width(kv_cache.MIN_KEY_WIDTH, 1 if mode == "pow2 width" else kv_cache.WIDTHS_PER_OCTAVE)
     if mode == "key blocks":
         return block_attention.block_attention
+    if mode == "xla":
+        return without_kernel
     if mode == "library":
         return block_attention.cache_attention
     return key_blocks(int(mode.removeprefix("key blocks@")))
@@ -99,7 +116,7 @@ def main() -> None:
     parser.add_argument("--preset", default="smollm2-135m")
     parser.add_argument("--contexts", default="64,256,1024,2048", type=lambda t: comma_list("--contexts", t, int))
     parser.add_argument("--rows", default="1,9", type=lambda t: comma_list("--rows", t, int))
-    parser.add_argument("--modes", default="pow2 width,library", type=lambda t: comma_list("--modes", t, str))
+    parser.add_argument("--modes", default="xla,library", type=lambda t: comma_list("--modes", t, str))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json-out", default="experiments/results/bench_context.json")
     args = parser.parse_args()

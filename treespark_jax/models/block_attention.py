@@ -2,7 +2,9 @@
 
 A decode step or a verify call attends over the committed slots of its rows and over its own new
 rows, which sit right after them. Reading the whole cache would make every call pay for the
-capacity. Two ways to read less, one program for every length either way:
+capacity. On the CPU, calls of up to ``cache_attention.MAX_ROWS`` rows run a C++ kernel that
+reads the cache in place up to the extent (``models/cache_attention.py``, where it applies).
+Elsewhere XLA's attention reads less in two ways, one program for every length either way:
 
 - **key blocks** (``block_attention``, calls of two or more rows): the call walks the cache in
   fixed blocks of ``KEY_BLOCK`` slots with ``lax.fori_loop`` up to the longest row's extent, each
@@ -28,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from treespark_jax.models.cache_attention import kernel_applies, kernel_attention
 from treespark_jax.models.kv_cache import by_key_width
 from treespark_jax.models.layers import attention
 from treespark_jax.typing import Array, Bool, Float, Int
@@ -44,8 +47,10 @@ def _leading_attention(layer: int, width: int, q: Float[Array, "B T H E"], k: Fl
 def cache_attention(q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"], v: Float[Array, "L B K S E"],
                     layer: int, mask: Bool[Array, "B #T S"], extent: Int[Array, ""]) -> Float[Array, "B T H E"]:
     """Attention of ``q`` over layer ``layer`` of the cache, reading only what holds the first
-    ``extent`` slots: leading widths for one query row, key blocks for more (module docstring).
-    Arguments, result and contract as ``block_attention``."""
+    ``extent`` slots: the CPU kernel where it applies, else leading widths for one query row and
+    key blocks for more (module docstring). Arguments, result and contract as ``block_attention``."""
+    if kernel_applies(q, k):
+        return kernel_attention(q, k, v, layer, mask, extent)
     if q.shape[1] == 1:
         return by_key_width(k.shape[3], extent, functools.partial(_leading_attention, layer), q, k, v, mask)
     return block_attention(q, k, v, layer, mask, extent)

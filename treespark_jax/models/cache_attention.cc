@@ -1,0 +1,191 @@
+// Grouped-query attention of a few query rows over the committed slots of one layer of a
+// head-major KV cache, for XLA's CPU backend: an XLA FFI handler that models/cache_attention.py
+// compiles, loads and calls. Keys and values are read in place, only the first `extent` slots,
+// once per kv head for all query rows of its group, so a decode step or a verify call costs what
+// its rows have committed rather than the cache's capacity, with no copy of the slots it reads.
+//
+// Operands: q [B, T, H, E] f32 (RoPE applied), k and v [L, B, K, S, E] f32, mask [B, Tm, S] pred
+// (Tm = T, or 1: one mask for every query), extent [] s32; attribute `layer`. Result [B, T, H, E]
+// f32. E must be a multiple of 8 and at most 256 (the Python side checks). Slots at and after
+// `extent` are not read; the mask must be False there. A query row with no allowed slot gets
+// zeros. Scores and softmax in float32, the maximum subtracted before exp.
+//
+// The loops are written on 8-float vectors (GCC/Clang vector extensions: AVX on x86, NEON pairs on
+// ARM). Scores: a query row against 8 keys at a time, as 8 vectors of products summed together
+// (`Sums`), each key read as a row. Outputs: kValueRows rows held in registers while every value
+// is read once. Measured against XLA's attention in docs/cost_model.md.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+constexpr float kMasked = -1e30f;  // exp(kMasked - any allowed score) is 0 in float32
+constexpr int64_t kValueRows = 3;  // query rows per register block of the outputs
+constexpr int64_t kMaxChunks = 32;  // E / 8 at most (E ≤ 256)
+constexpr int64_t kRowChunk = 9;    // query rows of a kv head per work item
+constexpr int64_t kMaxThreads = 8;
+constexpr int64_t kParallelWork = 32768;  // query rows × slots of a call below which one thread runs it
+
+inline v8 Load(const float* p) {
+  v8 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+// The sums of 8 vectors: lane j of the result is the sum of the lanes of x[j] (three rounds of
+// pairwise shuffles and adds).
+inline v8 Sums(const v8* x) {
+  v8 b[4], c[2];
+  for (int i = 0; i < 4; ++i) {
+    b[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  return __builtin_shufflevector(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// Scores [R, np] (row-major, np a multiple of 8) of the queries [R, E] (already scaled) against
+// keys [n, E], 8 keys at a time: each row's products with them as 8 vectors, summed together.
+template <int64_t kC>
+void Scores(const float* __restrict queries, const float* __restrict keys, float* __restrict scores, int64_t R,
+            int64_t n, int64_t np, int64_t c_runtime) {
+  const int64_t C = kC ? kC : c_runtime, E = 8 * C;
+  alignas(32) float tail[8 * 8 * (kC ? kC : kMaxChunks)];
+  for (int64_t s0 = 0; s0 < n; s0 += 8) {
+    const float* __restrict block = keys + s0 * E;
+    if (n - s0 < 8) {  // the last, partial block: zero keys after it (their scores are never read)
+      std::fill(tail, tail + 8 * E, 0.0f);
+      std::copy(block, block + (n - s0) * E, tail);
+      block = tail;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const float* __restrict qr = queries + r * E;
+      v8 acc[8] = {};
+      for (int64_t c = 0; c < C; ++c) {
+        const v8 x = Load(qr + 8 * c);
+        for (int64_t j = 0; j < 8; ++j) acc[j] += x * Load(block + j * E + 8 * c);
+      }
+      const v8 sums = Sums(acc);
+      std::memcpy(scores + r * np + s0, &sums, sizeof(v8));
+    }
+  }
+}
+
+// Rows first … first + R − 1 of one kv head's group in one batch row (row r = query r / G, head
+// h·G + r % G) over the first n slots. kC = E / 8 when it is a common width (the feature loops
+// unroll), 0 for any other. Scratch: queries [R, E] and scores [R, np].
+template <int64_t kC>
+void HeadAttention(const float* __restrict q, const float* __restrict keys, const float* __restrict values,
+                   const bool* __restrict mask, float* __restrict out, int64_t H, int64_t G, int64_t h, int64_t first,
+                   int64_t R, int64_t S, int64_t Tm, int64_t n, int64_t c_runtime, float* __restrict queries,
+                   float* __restrict scores) {
+  const int64_t C = kC ? kC : c_runtime, E = 8 * C;
+  const int64_t np = (n + 7) / 8 * 8;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(E));
+  const auto at = [&](int64_t i) { return (((first + i) / G) * H + h * G + (first + i) % G) * E; };
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t e = 0; e < E; ++e) queries[i * E + e] = q[at(i) + e] * scale;
+  }
+  Scores<kC>(queries, keys, scores, R, n, np, C);
+  for (int64_t r = 0; r < R; ++r) {  // masked softmax over each row's n slots, in place
+    float* __restrict row = scores + r * np;
+    const bool* __restrict allowed = mask + (Tm == 1 ? 0 : (first + r) / G) * S;
+    float top = kMasked;
+    for (int64_t s = 0; s < n; ++s) {
+      row[s] = allowed[s] ? row[s] : kMasked;
+      top = std::max(top, row[s]);
+    }
+    float total = 0.0f;
+    for (int64_t s = 0; s < n; ++s) {
+      row[s] = std::exp(row[s] - top);
+      total += row[s];
+    }
+    // a row with no allowed slot has every score kMasked and so its top too: zeros, not a mean of values
+    const float inv = top > kMasked ? 1.0f / total : 0.0f;
+    for (int64_t s = 0; s < n; ++s) row[s] *= inv;
+  }
+  for (int64_t r0 = 0; r0 < R; r0 += kValueRows) {
+    const int64_t rows = std::min(kValueRows, R - r0);
+    v8 o[kValueRows][kC ? kC : kMaxChunks] = {};
+    for (int64_t s = 0; s < n; ++s) {
+      const float* __restrict value = values + s * E;
+      float p[kValueRows];
+      for (int64_t i = 0; i < kValueRows; ++i) p[i] = i < rows ? scores[(r0 + i) * np + s] : 0.0f;
+      for (int64_t c = 0; c < C; ++c) {
+        const v8 x = Load(value + 8 * c);
+        for (int64_t i = 0; i < kValueRows; ++i) o[i][c] += p[i] * x;
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(out + at(r0 + i), o[i], E * sizeof(float));
+  }
+}
+
+ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                              ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> extent,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t layer) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || md.size() != 3) {
+    return ffi::Error::InvalidArgument("cache_attention: q must be [B,T,H,E], k and v [L,B,K,S,E], mask [B,Tm,S]");
+  }
+  const int64_t B = qd[0], T = qd[1], H = qd[2], E = qd[3];
+  const int64_t L = kd[0], KV = kd[2], S = kd[3], Tm = md[1];
+  bool same_kv = true;
+  for (int i = 0; i < 5; ++i) same_kv = same_kv && kd[i] == vd[i];
+  if (!same_kv || kd[1] != B || kd[4] != E || KV == 0 || H % KV != 0 || md[0] != B || md[2] != S ||
+      (Tm != T && Tm != 1) || layer < 0 || layer >= L || E % 8 != 0 || E > 8 * kMaxChunks) {
+    return ffi::Error::InvalidArgument("cache_attention: the shapes of q, k, v and mask or the layer do not agree");
+  }
+  const int64_t G = H / KV, C = E / 8;
+  const int64_t n = std::clamp<int64_t>(extent.typed_data()[0], 0, S);
+  const int64_t np = std::max<int64_t>((n + 7) / 8 * 8, 8);
+  // Work items: (batch row, kv head, a chunk of kRowChunk of its T·G query rows), spread over
+  // threads when the call is large enough to pay for starting them.
+  const int64_t chunks = (T * G + kRowChunk - 1) / kRowChunk, items = B * KV * chunks;
+  const int64_t threads = B * KV * T * G * n < kParallelWork ? 1 : std::min<int64_t>(
+      {items, kMaxThreads, std::max<int64_t>(1, std::thread::hardware_concurrency())});
+  const auto run = C == 8 ? HeadAttention<8> : C == 16 ? HeadAttention<16> : HeadAttention<0>;
+  std::atomic<int64_t> next{0};
+  const auto work = [&]() {
+    std::vector<float> queries(static_cast<size_t>(kRowChunk * E)), scores(static_cast<size_t>(kRowChunk * np));
+    for (int64_t item = next++; item < items; item = next++) {
+      const int64_t b = item / (KV * chunks), h = item / chunks % KV, first = item % chunks * kRowChunk;
+      const int64_t head = ((layer * B + b) * KV + h) * S * E;
+      run(q.typed_data() + b * T * H * E, k.typed_data() + head, v.typed_data() + head,
+          mask.typed_data() + b * Tm * S, out->typed_data() + b * T * H * E, H, G, h, first,
+          std::min(kRowChunk, T * G - first), S, Tm, n, C, queries.data(), scores.data());
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int64_t i = 1; i < threads; ++i) helpers.emplace_back(work);
+  work();
+  for (auto& helper : helpers) helper.join();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TreesparkCacheAttention, CacheAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // extent
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer"));
