@@ -5,10 +5,11 @@
 // its rows have committed rather than the cache's capacity, with no copy of the slots it reads.
 //
 // Operands: q [B, T, H, E] f32 (RoPE applied), k and v [L, B, K, S, E] f32, mask [B, Tm, S] pred
-// (Tm = T, or 1: one mask for every query), extent [] s32; attribute `layer`. Result [B, T, H, E]
-// f32. E must be a multiple of 8 and at most 256 (the Python side checks). Slots at and after
-// `extent` are not read; the mask must be False there. A query row with no allowed slot gets
-// zeros. Scores and softmax in float32, the maximum subtracted before exp.
+// (Tm = T, or 1: one mask for every query), extent [] s32; attributes `layer` and `threads` (the
+// most threads a call may use: the process's cores). Result [B, T, H, E] f32. E must be a multiple
+// of 8 and at most 256 (the Python side checks). Slots at and after `extent` are not read; the
+// mask must be False there. A query row with no allowed slot gets zeros. Scores and softmax in
+// float32, the maximum subtracted before exp.
 //
 // The loops are written on 8-float vectors (GCC/Clang vector extensions: AVX on x86, NEON pairs on
 // ARM). Scores: a query row against 8 keys at a time, as 8 vectors of products summed together
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -138,7 +140,7 @@ void HeadAttention(const float* __restrict q, const float* __restrict keys, cons
 
 ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                               ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> extent,
-                              ffi::ResultBuffer<ffi::F32> out, int64_t layer) {
+                              ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t max_threads) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || md.size() != 3) {
     return ffi::Error::InvalidArgument("cache_attention: q must be [B,T,H,E], k and v [L,B,K,S,E], mask [B,Tm,S]");
@@ -157,8 +159,8 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, 
   // Work items: (batch row, kv head, a chunk of kRowChunk of its T·G query rows), spread over
   // threads when the call is large enough to pay for starting them.
   const int64_t chunks = (T * G + kRowChunk - 1) / kRowChunk, items = B * KV * chunks;
-  const int64_t threads = B * KV * T * G * n < kParallelWork ? 1 : std::min<int64_t>(
-      {items, kMaxThreads, std::max<int64_t>(1, std::thread::hardware_concurrency())});
+  const int64_t threads = B * KV * T * G * n < kParallelWork ? 1 : std::clamp<int64_t>(
+      std::min(items, max_threads), 1, kMaxThreads);
   const auto run = C == 8 ? HeadAttention<8> : C == 16 ? HeadAttention<16> : HeadAttention<0>;
   std::atomic<int64_t> next{0};
   const auto work = [&]() {
@@ -172,7 +174,10 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, 
     }
   };
   std::vector<std::thread> helpers;
-  for (int64_t i = 1; i < threads; ++i) helpers.emplace_back(work);
+  try {
+    for (int64_t i = 1; i < threads; ++i) helpers.emplace_back(work);
+  } catch (const std::system_error&) {  // no thread to be had: the ones started, or this one alone, do it all
+  }
   work();
   for (auto& helper : helpers) helper.join();
   return ffi::Error::Success();
@@ -188,4 +193,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TreesparkCacheAttention, CacheAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask
                                   .Arg<ffi::Buffer<ffi::S32>>()   // extent
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("layer"));
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("threads"));

@@ -42,6 +42,11 @@ MAX_ROWS = 64  # query rows per batch row above which XLA's blocked attention is
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC", "-pthread", "-w")
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity, which a container's CPU set limits)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _cpu_id() -> str:
     """The CPU the library is built for (``-march=native``): its model name and feature flags."""
     try:
@@ -103,4 +108,4 @@ def kernel_attention(q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"], v
     """``block_attention``'s result by the kernel (same arguments and contract; float32 only,
     ``kernel_applies`` true). A query row with no allowed slot below ``extent`` gets zeros."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(q, k, v, mask, jnp.asarray(extent, jnp.int32), layer=np.int64(layer))
+    return call(q, k, v, mask, jnp.asarray(extent, jnp.int32), layer=np.int64(layer), threads=np.int64(_cores()))
