@@ -53,6 +53,18 @@ def test_the_kernel_equals_dense_attention_and_reads_nothing_at_or_after_the_ext
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
+def test_each_batch_row_reads_only_up_to_its_own_last_allowed_slot():
+    lengths = (5, 260, 33)  # committed slots of three rows, then one new row each
+    q, (k, v), _, _ = operands(1, 3, 1, 9, 3, 64, 300, 1, 300, True)
+    mask = jnp.arange(300)[None, None, :] <= jnp.asarray(lengths)[:, None, None]
+    poisoned = [np.asarray(x).copy() for x in (k, v)]
+    for b, n in enumerate(lengths):
+        for x in poisoned:
+            x[:, b, :, n + 1:] = np.nan
+    got = kernel.kernel_attention(q, *map(jnp.asarray, poisoned), 0, mask, jnp.int32(max(lengths) + 1))
+    np.testing.assert_allclose(got, attention(q, k[0], v[0], mask), rtol=2e-5, atol=2e-6)
+
+
 def test_a_query_row_with_no_allowed_slot_gets_zeros():
     q, (k, v), _, mask = operands(0, 1, 2, 4, 2, 16, 40, 1, 40, False)
     mask = mask.at[0, 1].set(False)

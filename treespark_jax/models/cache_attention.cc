@@ -1,8 +1,9 @@
 // Grouped-query attention of a few query rows over the committed slots of one layer of a
 // head-major KV cache, for XLA's CPU backend: an XLA FFI handler that models/cache_attention.py
-// compiles, loads and calls. Keys and values are read in place, only the first `extent` slots,
-// once per kv head for all query rows of its group, so a decode step or a verify call costs what
-// its rows have committed rather than the cache's capacity, with no copy of the slots it reads.
+// compiles, loads and calls. Keys and values are read in place, each batch row's only up to its
+// last allowed slot below `extent`, once per kv head for all query rows of its group, so a decode
+// step or a verify call costs what its rows have committed rather than the cache's capacity, with
+// no copy of the slots it reads.
 //
 // Operands: q [B, T, H, E] f32 (RoPE applied), k and v [L, B, K, S, E] f32, mask [B, Tm, S] pred
 // (Tm = T, or 1: one mask for every query), extent [] s32; attributes `layer` and `threads` (the
@@ -161,6 +162,17 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, 
   const int64_t chunks = (T * G + kRowChunk - 1) / kRowChunk, items = B * KV * chunks;
   const int64_t threads = B * KV * T * G * n < kParallelWork ? 1 : std::clamp<int64_t>(
       std::min(items, max_threads), 1, kMaxThreads);
+  // Each batch row reads only up to its own last allowed slot (rows of a batch commit at different
+  // lengths; the extent is the longest one's).
+  std::vector<int64_t> row_extent(static_cast<size_t>(B), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < Tm; ++t) {
+      const bool* allowed = mask.typed_data() + (b * Tm + t) * S;
+      int64_t last = n;
+      while (last > row_extent[b] && !allowed[last - 1]) --last;
+      row_extent[b] = std::max(row_extent[b], last);
+    }
+  }
   const auto run = C == 8 ? HeadAttention<8> : C == 16 ? HeadAttention<16> : HeadAttention<0>;
   std::atomic<int64_t> next{0};
   const auto work = [&]() {
@@ -170,7 +182,7 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, 
       const int64_t head = ((layer * B + b) * KV + h) * S * E;
       run(q.typed_data() + b * T * H * E, k.typed_data() + head, v.typed_data() + head,
           mask.typed_data() + b * Tm * S, out->typed_data() + b * T * H * E, H, G, h, first,
-          std::min(kRowChunk, T * G - first), S, Tm, n, C, queries.data(), scores.data());
+          std::min(kRowChunk, T * G - first), S, Tm, row_extent[b], C, queries.data(), scores.data());
     }
   };
   std::vector<std::thread> helpers;
