@@ -111,10 +111,15 @@ def test_the_kernel_is_left_out_where_it_does_not_apply(monkeypatch):
     assert not kernel.kernel_applies(q, k)
 
 
+def test_the_compiler_comes_from_cxx_split_as_a_shell_would(monkeypatch):
+    monkeypatch.setenv("CXX", "ccache 'c++'")
+    assert kernel.compiler() == ["ccache", "c++"]
+
+
 def test_a_failed_build_warns_once_and_leaves_xla_attention(monkeypatch, tmp_path):
     monkeypatch.setenv("TREESPARK_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed"):
-        kernel._build("false")  # a "compiler" that exits 1
+        kernel._build(["false"])  # a "compiler" that exits 1
     assert not any(tmp_path.rglob("*.so"))  # nothing half-written
 
     def fail(cxx):
@@ -127,7 +132,7 @@ def test_a_failed_build_warns_once_and_leaves_xla_attention(monkeypatch, tmp_pat
 
 def test_the_library_is_built_once_per_source_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("TREESPARK_CACHE", str(tmp_path))
-    cxx = "c++"
+    cxx = kernel.compiler()
     first = kernel._build(cxx)
     stamp = first.stat().st_mtime_ns
     assert kernel._build(cxx) == first and first.stat().st_mtime_ns == stamp

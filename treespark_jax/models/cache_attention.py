@@ -4,9 +4,9 @@ XLA's CPU backend reads a KV cache slowly for a few query rows (about 7 GB/s for
 slice of the committed slots is a copy first: docs/cost_model.md), so on the CPU a call of at
 most ``MAX_ROWS`` rows per batch row attends through a small C++ kernel that reads keys and
 values in place, only the slots below the call's extent. It is compiled on first use with the
-machine's C++ compiler (``$CXX``, else ``c++``; about 3 s) into ``<treespark cache>/kernels``
-(``assets.cache_root``), keyed by the source, the flags, the compiler and the CPU, and loaded
-with ``ctypes``.
+machine's C++ compiler (``$CXX``, else ``c++`` or ``g++``; 3 s on an idle 2-core machine, 13 s
+under load) into ``<treespark cache>/kernels`` (``assets.cache_root``), keyed by the source, the
+flags, the compiler, JAX's version and the CPU, and loaded with ``ctypes``.
 
 Everything else keeps XLA's attention (``models/block_attention.py``): other backends, a
 current mesh (XLA cannot partition a custom call), dtypes other than float32, heads whose width
@@ -21,6 +21,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -40,6 +41,9 @@ MAX_ROWS = 64  # query rows per batch row above which XLA's blocked attention is
 # -ffast-math at compile time only (vectorised exp and sums); the link leaves it out, so the
 # library does not set flush-to-zero for the whole process.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC", "-pthread", "-w")
+# glibc's vector math library (the vectorised exp); elsewhere the loops call exp one lane at a time
+LINK_FLAGS = ("-lmvec", "-lm") if platform.libc_ver()[0] == "glibc" else ("-lm",)
+BUILD_TIMEOUT = 300  # seconds a compile or link may take
 
 
 def _cores() -> int:
@@ -56,22 +60,41 @@ def _cpu_id() -> str:
     return "\n".join(sorted({x for x in lines if x.startswith(("model name", "flags", "Features"))}))
 
 
-def _build(cxx: str) -> Path:
-    """Compiles the kernel into the cache (once per source, flags, compiler and CPU) and returns
-    the shared library's path. Raises ``RuntimeError`` with the compiler's message when it fails."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *COMPILE_FLAGS, version, _cpu_id()]).encode()).hexdigest()
+def compiler() -> list[str] | None:
+    """The C++ compiler command: ``$CXX`` split as a shell would (``"ccache c++"`` works), else
+    ``c++`` or ``g++`` on the ``PATH``; ``None`` when there is none."""
+    if os.environ.get("CXX"):
+        return shlex.split(os.environ["CXX"])
+    found = shutil.which("c++") or shutil.which("g++")
+    return [found] if found else None
+
+
+def _build(cxx: list[str]) -> Path:
+    """Compiles the kernel into the cache (once per source, flags, compiler, JAX and CPU) and
+    returns the shared library's path.
+
+    Raises:
+      RuntimeError: the compiler failed (its message) or took over ``BUILD_TIMEOUT`` seconds.
+    """
+    def run(cmd: list[str]) -> str:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=BUILD_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{' '.join(cmd[:2])} … took over {BUILD_TIMEOUT} s") from None
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd[:2])} … failed: {done.stderr.strip()[-400:]}")
+        return done.stdout
+
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, run([*cxx, "--version"]),
+                                     jax.__version__, _cpu_id()]).encode()).hexdigest()
     out = cache_root() / "kernels" / f"cache_attention-{key[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = Path(tmp, "kernel.o"), Path(tmp, "kernel.so")
-        for cmd in ([cxx, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(SOURCE), "-o", str(obj)],
-                    [cxx, "-shared", "-pthread", str(obj), "-o", str(lib), "-lmvec", "-lm"]):
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if done.returncode:
-                raise RuntimeError(f"{' '.join(cmd[:2])} … failed: {done.stderr.strip()[-400:]}")
+        run([*cxx, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(SOURCE), "-o", str(obj)])
+        run([*cxx, "-shared", "-pthread", str(obj), "-o", str(lib), *LINK_FLAGS])
         os.replace(lib, out)  # atomic: processes building at once each write their own, one wins
     return out
 
@@ -80,7 +103,7 @@ def _build(cxx: str) -> Path:
 def kernel_available() -> bool:
     """Whether the kernel is built, loaded and registered with XLA's CPU backend (built on the
     first call; a failure warns once and leaves XLA's attention in use)."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    cxx = compiler()
     if cxx is None:
         warnings.warn("no C++ compiler (c++, g++ or $CXX) was found: decode attention on the CPU uses XLA's, "
                       "which is slower at long contexts.", stacklevel=2)
