@@ -13,16 +13,18 @@
 // float32, the maximum subtracted before exp.
 //
 // The loops are written on 8-float vectors (GCC/Clang vector extensions: AVX on x86, NEON pairs on
-// ARM). Scores: a query row against 8 keys at a time, as 8 vectors of products summed together
-// (`Sums`), each key read as a row. Outputs: kValueRows rows held in registers while every value
-// is read once. Measured against XLA's attention in docs/cost_model.md.
+// ARM). Scores: three query rows against 8 keys at a time, each row's products as 8 vectors summed
+// together (`Sums`), each key vector read once for the three rows. Outputs: kValueRows rows held in
+// registers while every value is read once. Work items run on XLA's intra-op thread pool
+// (`ffi::ThreadPool`), so a call starts no thread. Measured against XLA's attention in
+// docs/cost_model.md.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <system_error>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -39,7 +41,7 @@ constexpr int64_t kValueRows = 3;  // query rows per register block of the outpu
 constexpr int64_t kMaxChunks = 32;  // E / 8 at most (E ≤ 256)
 constexpr int64_t kRowChunk = 9;    // query rows of a kv head per work item
 constexpr int64_t kMaxThreads = 8;
-constexpr int64_t kParallelWork = 32768;  // query rows × slots of a call below which one thread runs it
+constexpr int64_t kParallelWork = 4096;  // query rows × slots of a call below which one thread runs it
 
 inline v8 Load(const float* p) {
   v8 x;
@@ -77,7 +79,25 @@ void Scores(const float* __restrict queries, const float* __restrict keys, float
       std::copy(block, block + (n - s0) * E, tail);
       block = tail;
     }
-    for (int64_t r = 0; r < R; ++r) {
+    int64_t r = 0;
+    for (; r + 3 <= R; r += 3) {  // three rows share each key read
+      const float* __restrict qr = queries + r * E;
+      v8 acc[3][8] = {};
+      for (int64_t c = 0; c < C; ++c) {
+        const v8 x0 = Load(qr + 8 * c), x1 = Load(qr + E + 8 * c), x2 = Load(qr + 2 * E + 8 * c);
+        for (int64_t j = 0; j < 8; ++j) {
+          const v8 key = Load(block + j * E + 8 * c);
+          acc[0][j] += x0 * key;
+          acc[1][j] += x1 * key;
+          acc[2][j] += x2 * key;
+        }
+      }
+      for (int64_t i = 0; i < 3; ++i) {
+        const v8 sums = Sums(acc[i]);
+        std::memcpy(scores + (r + i) * np + s0, &sums, sizeof(v8));
+      }
+    }
+    for (; r < R; ++r) {
       const float* __restrict qr = queries + r * E;
       v8 acc[8] = {};
       for (int64_t c = 0; c < C; ++c) {
@@ -139,8 +159,8 @@ void HeadAttention(const float* __restrict q, const float* __restrict keys, cons
   }
 }
 
-ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                              ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> extent,
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> extent,
                               ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t max_threads) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || md.size() != 3) {
@@ -157,8 +177,8 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, 
   const int64_t G = H / KV, C = E / 8;
   const int64_t n = std::clamp<int64_t>(extent.typed_data()[0], 0, S);
   const int64_t np = std::max<int64_t>((n + 7) / 8 * 8, 8);
-  // Work items: (batch row, kv head, a chunk of kRowChunk of its T·G query rows), spread over
-  // threads when the call is large enough to pay for starting them.
+  // Work items: (batch row, kv head, a chunk of kRowChunk of its T·G query rows), shared with the
+  // pool's threads when the call is large enough to pay for waking them.
   const int64_t chunks = (T * G + kRowChunk - 1) / kRowChunk, items = B * KV * chunks;
   const int64_t threads = B * KV * T * G * n < kParallelWork ? 1 : std::clamp<int64_t>(
       std::min(items, max_threads), 1, kMaxThreads);
@@ -174,24 +194,32 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, 
     }
   }
   const auto run = C == 8 ? HeadAttention<8> : C == 16 ? HeadAttention<16> : HeadAttention<0>;
-  std::atomic<int64_t> next{0};
-  const auto work = [&]() {
-    std::vector<float> queries(static_cast<size_t>(kRowChunk * E)), scores(static_cast<size_t>(kRowChunk * np));
-    for (int64_t item = next++; item < items; item = next++) {
+  // Items are claimed from one counter by this thread and by helpers on XLA's intra-op pool (no
+  // thread is started per call). A helper that starts after the last item is claimed returns
+  // without touching the buffers; this thread waits only for items that are being run.
+  struct Shared {
+    std::atomic<int64_t> next{0}, unfinished{0};
+  };
+  const auto shared = std::make_shared<Shared>();
+  shared->unfinished = items;
+  auto work = [=, &q, &k, &v, &mask, &out, &row_extent]() {
+    std::vector<float> queries, scores;
+    for (int64_t item = shared->next++; item < items; item = shared->next++) {
+      if (queries.empty()) {
+        queries.resize(static_cast<size_t>(kRowChunk * E));
+        scores.resize(static_cast<size_t>(kRowChunk * np));
+      }
       const int64_t b = item / (KV * chunks), h = item / chunks % KV, first = item % chunks * kRowChunk;
       const int64_t head = ((layer * B + b) * KV + h) * S * E;
       run(q.typed_data() + b * T * H * E, k.typed_data() + head, v.typed_data() + head,
           mask.typed_data() + b * Tm * S, out->typed_data() + b * T * H * E, H, G, h, first,
           std::min(kRowChunk, T * G - first), S, Tm, row_extent[b], C, queries.data(), scores.data());
+      shared->unfinished--;
     }
   };
-  std::vector<std::thread> helpers;
-  try {
-    for (int64_t i = 1; i < threads; ++i) helpers.emplace_back(work);
-  } catch (const std::system_error&) {  // no thread to be had: the ones started, or this one alone, do it all
-  }
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule(decltype(work)(work));
   work();
-  for (auto& helper : helpers) helper.join();
+  while (shared->unfinished.load() > 0) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
@@ -199,6 +227,7 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TreesparkCacheAttention, CacheAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v
