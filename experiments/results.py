@@ -23,7 +23,7 @@ Usage (the defaults are the reduced CPU protocol RESULTS.md was made with; DESIG
 protocol is ``--limit 32 --max-new-tokens 128 --budgets 4,8,16,32 --repeats 3``):
   experiments/train_drafters.sh ablate iterate
   python experiments/results.py [--sets gsm8k,humaneval,mtbench] [--temps 0,1] [--limit 4]
-      [--max-new-tokens 64] [--budgets 4,8,16] [--repeats 1] [--out experiments/results] [--render-only]
+      [--max-new-tokens 64] [--budgets 4,8,16] [--repeats 1] [--out experiments/page_data] [--render-only]
   python experiments/results.py --check --sets gsm8k --temps 0
       (measures those tables again under ``<out>/check/`` and adds a reproduction section: each row's
       new τ and speedup against the page's, within the stated noise or not)
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--budgets", default="4,8,16")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--out", default=str(HERE / "page_data"))
     p.add_argument("--data", default=str(HERE / "data"), help="train_drafters.sh's $DATA (loss ablation)")
     p.add_argument("--results-md", default=str(HERE / "RESULTS.md"))
     p.add_argument("--render-only", action="store_true", help="rebuild RESULTS.md from the JSON under --out")

@@ -216,11 +216,11 @@ def test_tau_equal_budget_page_compares_tau_per_budget_and_leaves_speed_out():
                          "skip": False, "stop": False},
             "machine": "cpu (x86_64, 2 cores)", "others_cpu": [0.01], "date": "2026-11-30", "minutes": 9.0,
             "rows": {"gsm8k": rows}}
-    text = page.render(data, "experiments/results/tau-equal-budget.json")
+    text = page.render(data, "experiments/page_data/tau-equal-budget.json")
     assert ("`python experiments/tau_equal_budget.py --sets gsm8k --limit 4 --max-new-tokens 64 --budgets 4,8` "
             "on 2026-11-30") in text
     assert "| ddtree | 4 | 1.950 | 0.60 0.50 — 0.25 | yes |" in text and "| ar |" not in text
-    assert "`experiments/results/tau-equal-budget.json`" in text  # the data the page is rebuilt from
+    assert "`experiments/page_data/tau-equal-budget.json`" in text  # the data the page is rebuilt from
     assert "- treespark τ > dspark τ at budgets [4] of [4, 8]" in text
     assert "- treespark τ > ddtree τ at budgets [4] of [4, 8]" in text
     assert "speedup" not in text.split("## gsm8k")[1] and "1.30" not in text
