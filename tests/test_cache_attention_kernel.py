@@ -12,6 +12,7 @@ import pytest
 
 from treespark_jax.decode.ar import decode_mask
 from treespark_jax.models import cache_attention as kernel
+from treespark_jax.models import cpu_kernels
 from treespark_jax.models.block_attention import cache_attention
 from treespark_jax.models.layers import attention
 
@@ -113,7 +114,7 @@ def test_the_kernel_is_left_out_where_it_does_not_apply(monkeypatch):
 
 def test_the_compiler_comes_from_cxx_split_as_a_shell_would(monkeypatch):
     monkeypatch.setenv("CXX", "ccache 'c++'")
-    assert kernel.compiler() == ["ccache", "c++"]
+    assert cpu_kernels.compiler() == ["ccache", "c++"]
 
 
 def test_a_failed_build_warns_once_and_leaves_xla_attention(monkeypatch, tmp_path):
@@ -132,7 +133,7 @@ def test_a_failed_build_warns_once_and_leaves_xla_attention(monkeypatch, tmp_pat
 
 def test_the_library_is_built_once_per_source_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("TREESPARK_CACHE", str(tmp_path))
-    cxx = kernel.compiler()
+    cxx = cpu_kernels.compiler()
     first = kernel._build(cxx)
     stamp = first.stat().st_mtime_ns
     assert kernel._build(cxx) == first and first.stat().st_mtime_ns == stamp

@@ -18,6 +18,7 @@ from treespark_jax.models.block_attention import cache_attention
 from treespark_jax.models.kv_cache import KVCache, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import lm_logits, rms_norm
+from treespark_jax.models.small_matmul import Packed, dense, pack, packs_weights
 from treespark_jax.models.weights import check_weights, expected_shapes
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Bool, Float, Int
@@ -45,16 +46,29 @@ class DecoderOutput:
     cache: KVCache
 
 
-class DecoderLayer(nnx.Module):
-    """One decoder layer's weights (names as in ``models/weights.py`` without the prefix)."""
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+"""A layer's weight matrices: the ones a target on the CPU also keeps packed (``small_matmul.pack``)."""
 
-    def __init__(self, cfg: ModelConfig, arrays: dict[str, jax.Array]):
+
+class DecoderLayer(nnx.Module):
+    """One decoder layer's weights (names as in ``models/weights.py`` without the prefix), and with
+    ``packed`` a packed copy of each matrix (``<name>_packed``)."""
+
+    def __init__(self, cfg: ModelConfig, arrays: dict[str, jax.Array], packed: bool = False):
         for name in layer_param_names(cfg):
             setattr(self, name, nnx.Param(arrays[name]))
+        self.packed = packed
+        for name in MATRICES if packed else ():
+            setattr(self, f"{name}_packed", Packed(pack(arrays[name])))
 
     def arrays(self, cfg: ModelConfig) -> dict[str, jax.Array]:
         """Name → array view of the weights."""
         return {name: getattr(self, name)[...] for name in layer_param_names(cfg)}
+
+    def call_arrays(self, cfg: ModelConfig) -> dict:
+        """``arrays`` and, with packed copies, ``"packed"``: name → packed copy (``layer_parts``)."""
+        packed = {name: getattr(self, f"{name}_packed")[...] for name in MATRICES} if self.packed else {}
+        return self.arrays(cfg) | {"packed": packed}
 
 
 class Decoder(nnx.Module):
@@ -64,15 +78,20 @@ class Decoder(nnx.Module):
       cfg: architecture (read from the checkpoint).
       weights: canonical weight dictionary (see ``models/weights.py``).
       dtype: compute and storage dtype (float32 on CPU; bfloat16 on GPU/TPU; float64 in tests).
+      packed: keep a packed copy of every weight matrix and of the LM head, which the matmuls of
+        decode steps and verify calls read on the CPU (``models/small_matmul.py``; about the
+        weights' size again in memory); ``None``: where ``small_matmul.packs_weights(dtype)``.
 
     Raises:
       ValueError: when ``weights`` does not match ``cfg`` (names the array).
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], dtype=jnp.float32,
+                 packed: bool | None = None):
         check_weights(cfg, weights)
         self.cfg = cfg
         self.dtype = dtype
+        packed = packs_weights(dtype) if packed is None else packed
 
         def cast(a):
             return jnp.asarray(np.asarray(a), dtype)
@@ -82,11 +101,13 @@ class Decoder(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(cast(weights["lm_head"]))
         self.layers = nnx.List([
-            DecoderLayer(cfg, {n: cast(weights[f"layers.{i}.{n}"]) for n in layer_param_names(cfg)})
+            DecoderLayer(cfg, {n: cast(weights[f"layers.{i}.{n}"]) for n in layer_param_names(cfg)}, packed)
             for i in range(cfg.n_layers)])
+        self.head_packed = Packed(pack(self.head_matrix())) if packed else None
 
     @classmethod
-    def random(cls, cfg: ModelConfig, seed: int = 0, std: float = 0.02, dtype=jnp.float32) -> "Decoder":
+    def random(cls, cfg: ModelConfig, seed: int = 0, std: float = 0.02, dtype=jnp.float32,
+               packed: bool | None = None) -> "Decoder":
         """A randomly initialised decoder (normal weights of ``std``, norm scales near 1)."""
         rng = np.random.default_rng(seed)
         weights = {}
@@ -95,7 +116,7 @@ class Decoder(nnx.Module):
                 weights[name] = 1.0 + 0.1 * rng.standard_normal(shape)
             else:
                 weights[name] = std * rng.standard_normal(shape)
-        return cls(cfg, weights, dtype)
+        return cls(cfg, weights, dtype, packed)
 
     def __call__(self, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
                  mask: Bool[Array, "B #T S"], cache: KVCache, layer_ids: tuple[int, ...] = ()
@@ -134,7 +155,7 @@ class Decoder(nnx.Module):
         extent = jnp.max(cache.lengths) + t
         k_all, v_all, chosen = cache.k, cache.v, {}
         for li, layer in enumerate(self.layers):
-            p = layer.arrays(cfg)
+            p = layer.call_arrays(cfg)
             h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
             q = query_heads(p, cfg, h, positions)
             k, v = key_value_heads(p, cfg, h, positions)
@@ -149,6 +170,13 @@ class Decoder(nnx.Module):
         return DecoderOutput(hidden=hidden, features=features,
                              cache=cache.replace(k=k_all, v=v_all))
 
+    def head_matrix(self) -> Float[Array, "D V"]:
+        """The LM head as a ``[D, V]`` matrix (the transposed embedding when tied)."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
     def logits(self, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
-        """LM-head logits of final-norm hidden states (tied head = transposed embedding)."""
+        """LM-head logits of final-norm hidden states (tied head = transposed embedding); a few rows
+        through the packed head where the target keeps one (``small_matmul.dense``)."""
+        if self.head_packed is not None:
+            return dense(hidden, self.head_matrix(), self.head_packed[...])
         return lm_logits(hidden, self.embed[...], None if self.cfg.tie_embeddings else self.lm_head[...])

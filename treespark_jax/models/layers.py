@@ -1,4 +1,4 @@
-"""Pure building blocks of the decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU."""
+"""Pure building blocks of the decoder: RMSNorm, RoPE, grouped-query attention, the LM head."""
 
 from __future__ import annotations
 
@@ -59,12 +59,6 @@ def attention(q: Float[Array, "B T H E"], k: Float[Array, "B K S E"], v: Float[A
     probs = jax.nn.softmax(scores, axis=2).astype(v.dtype)
     out = jnp.einsum("BKSQ,BKSE->BKQE", probs, v)
     return out.reshape(b, kv, t, g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h, e)
-
-
-def swiglu(x: Float[Array, "B T D"], w_gate: Float[Array, "D F"], w_up: Float[Array, "D F"],
-           w_down: Float[Array, "F D"]) -> Float[Array, "B T D"]:
-    """SwiGLU MLP (Shazeer, 2020): ``(silu(x W_gate) * x W_up) W_down``."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
 def lm_logits(hidden: Float[Array, "B T D"], embed: Float[Array, "V D"],
