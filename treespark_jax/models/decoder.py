@@ -17,8 +17,8 @@ from treespark_jax.config import ModelConfig
 from treespark_jax.models.block_attention import cache_attention
 from treespark_jax.models.kv_cache import KVCache, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
-from treespark_jax.models.layers import lm_logits, rms_norm
-from treespark_jax.models.small_matmul import Packed, dense, pack, packs_weights
+from treespark_jax.models.layers import rms_norm
+from treespark_jax.models.small_matmul import Packed, head_logits, pack, packs_weights
 from treespark_jax.models.weights import check_weights, expected_shapes
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Bool, Float, Int
@@ -177,6 +177,5 @@ class Decoder(nnx.Module):
     def logits(self, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """LM-head logits of final-norm hidden states (tied head = transposed embedding); a few rows
         through the packed head where the target keeps one (``small_matmul.dense``)."""
-        if self.head_packed is not None:
-            return dense(hidden, self.head_matrix(), self.head_packed[...])
-        return lm_logits(hidden, self.embed[...], None if self.cfg.tie_embeddings else self.lm_head[...])
+        return head_logits(hidden, self.embed[...], None if self.cfg.tie_embeddings else self.lm_head[...],
+                           None if self.head_packed is None else self.head_packed[...])

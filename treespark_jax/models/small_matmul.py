@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from treespark_jax.models import cpu_kernels
+from treespark_jax.models.layers import lm_logits
 from treespark_jax.typing import Array, Float
 
 SOURCE = Path(__file__).with_name("small_matmul.cc")
@@ -99,7 +100,17 @@ def packed_matmul(x: Float[Array, "... K"], packed: Float[Array, "J K 32"], n: i
 def dense(x: Float[Array, "... K"], w: Float[Array, "K N"], packed: Float[Array, "J K 32"] | None
           ) -> Float[Array, "... N"]:
     """``x @ w``: by the kernel when ``packed`` (``pack(w)``) is given and ``kernel_applies(x)``,
-    else by XLA. The one place a target's matmul chooses between them."""
+    else by XLA. The one place a layer's matmul chooses between them."""
     if packed is not None and kernel_applies(x):
         return packed_matmul(x, packed, w.shape[1])
     return x @ w
+
+
+def head_logits(hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_head: Float[Array, "D V"] | None,
+                packed: Float[Array, "J D 32"] | None) -> Float[Array, "... V"]:
+    """LM-head logits (``layers.lm_logits``; ``lm_head=None``: tied), by the kernel when
+    ``packed`` (``pack`` of the ``[D, V]`` head) is given and ``kernel_applies(hidden)``. The one
+    place an LM head chooses between them."""
+    if packed is not None and kernel_applies(hidden):
+        return packed_matmul(hidden, packed, embed.shape[0])
+    return lm_logits(hidden, embed, lm_head)
