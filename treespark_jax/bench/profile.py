@@ -206,9 +206,10 @@ def profile_rows(budget: int) -> tuple[int, ...]:
     """Verified rows profiled for ``budget`` N: ``rung + 1`` for every rung of the default ladders
     of N, N/2, N/4, … 1, so one profile also serves the smaller budgets without extrapolation.
 
-    The one-row call (a round that skips drafting) is profiled apart (``CostModel.step_ms``): on
-    CPU it runs a matrix-vector kernel much cheaper than the matrix-matrix ones of two or more
-    rows, a kink no convex fit through the tree sizes should bend to.
+    The one-row call (a round that skips drafting) is profiled apart (``CostModel.step_ms``): where
+    it runs a matrix-vector kernel much cheaper than the matrix-matrix ones of two or more rows
+    (XLA's on the CPU without the packed matmul kernel), that is a kink no convex fit through the
+    tree sizes should bend to.
     """
     rungs, n = set(), budget
     while n >= 1:
