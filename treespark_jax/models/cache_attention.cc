@@ -20,14 +20,12 @@
 // docs/cost_model.md.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -196,32 +194,16 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     }
   }
   const auto run = C == 8 ? HeadAttention<8> : C == 16 ? HeadAttention<16> : HeadAttention<0>;
-  // Items are claimed from one counter by this thread and by helpers on XLA's intra-op pool (no
-  // thread is started per call). A helper that starts after the last item is claimed returns
-  // without touching the buffers; this thread waits only for items that are being run.
-  struct Shared {
-    std::atomic<int64_t> next{0}, unfinished{0};
-  };
-  const auto shared = std::make_shared<Shared>();
-  shared->unfinished = items;
-  auto work = [=, &q, &k, &v, &mask, &out, &row_extent]() {
-    std::vector<float> queries, scores;
-    for (int64_t item = shared->next++; item < items; item = shared->next++) {
-      if (queries.empty()) {
-        queries.resize(static_cast<size_t>(kRowChunk * E));
-        scores.resize(static_cast<size_t>(kRowChunk * np));
-      }
+  treespark::ShareItems(pool, items, threads, [&]() {
+    return [&, queries = std::vector<float>(static_cast<size_t>(kRowChunk * E)),
+            scores = std::vector<float>(static_cast<size_t>(kRowChunk * np))](int64_t item) mutable {
       const int64_t b = item / (KV * chunks), h = item / chunks % KV, first = item % chunks * kRowChunk;
       const int64_t head = ((layer * B + b) * KV + h) * S * E;
       run(q.typed_data() + b * T * H * E, k.typed_data() + head, v.typed_data() + head,
           mask.typed_data() + b * Tm * S, out->typed_data() + b * T * H * E, H, G, h, first,
           std::min(kRowChunk, T * G - first), S, Tm, row_extent[b], C, queries.data(), scores.data());
-      shared->unfinished--;
-    }
-  };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  while (shared->unfinished.load() > 0) std::this_thread::yield();
+    };
+  });
   return ffi::Error::Success();
 }
 

@@ -1,7 +1,7 @@
 """Small C++ kernels for XLA's CPU backend: compiled on first use, cached, loaded, registered.
 
 A kernel is one ``.cc`` file defining an XLA FFI handler (``models/cache_attention.cc``,
-``models/small_matmul.cc``). It is compiled with the machine's C++ compiler (``$CXX``, else ``c++``
+``models/small_matmul.cc``), with the headers beside it (``cpu_parallel.h``). It is compiled with the machine's C++ compiler (``$CXX``, else ``c++``
 or ``g++``) into ``<treespark cache>/kernels`` (``assets.cache_root``), keyed by the source, the
 flags, the compiler, JAX's version and the CPU, loaded with ``ctypes`` and registered as an FFI
 target of the CPU platform. Where a kernel cannot be built, one warning says why and the caller
@@ -54,8 +54,8 @@ def compiler() -> list[str] | None:
 
 
 def build(source: Path, cxx: list[str], compile_flags: tuple[str, ...], link_flags: tuple[str, ...]) -> Path:
-    """Compiles ``source`` into the cache (once per source, flags, compiler, JAX and CPU) and
-    returns the shared library's path.
+    """Compiles ``source`` into the cache (once per source, the headers beside it, flags, compiler,
+    JAX and CPU) and returns the shared library's path.
 
     Raises:
       RuntimeError: the compiler failed (its message) or took over ``BUILD_TIMEOUT`` seconds.
@@ -69,8 +69,9 @@ def build(source: Path, cxx: list[str], compile_flags: tuple[str, ...], link_fla
             raise RuntimeError(f"{' '.join(cmd[:2])} … failed: {done.stderr.strip()[-400:]}")
         return done.stdout
 
-    key = hashlib.sha256("\0".join([source.read_text(), *compile_flags, *link_flags, run([*cxx, "--version"]),
-                                     jax.__version__, _cpu_id()]).encode()).hexdigest()
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *compile_flags, *link_flags,
+                                     run([*cxx, "--version"]), jax.__version__, _cpu_id()]).encode()).hexdigest()
     out = cache_root() / "kernels" / f"{source.stem}-{key[:16]}.so"
     if out.exists():
         return out

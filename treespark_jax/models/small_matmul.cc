@@ -10,16 +10,13 @@
 // Result [M, 32J] f32 = x · W. Each output is summed over k in order, one fused multiply-add per k,
 // whatever M and the threads: a row's result does not depend on the rows beside it.
 //
-// Tiles are shared out as work items from one atomic counter between this thread and helpers on
-// XLA's intra-op pool (`ffi::ThreadPool`), as in cache_attention.cc.
+// Runs of tiles are work items shared with helpers on XLA's intra-op pool (cpu_parallel.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -84,24 +81,15 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const int64_t items = (J + per_item - 1) / per_item;
   const int64_t threads =
       K * N < kParallelWork ? 1 : std::clamp<int64_t>(std::min(items, max_threads), 1, kMaxThreads);
-  struct Shared {
-    std::atomic<int64_t> next{0}, unfinished{0};
-  };
-  const auto shared = std::make_shared<Shared>();
-  shared->unfinished = items;
-  auto work = [=]() {
-    for (int64_t item = shared->next++; item < items; item = shared->next++) {
+  treespark::ShareItems(pool, items, threads, [=]() {
+    return [=](int64_t item) {
       for (int64_t j = item * per_item; j < std::min(J, (item + 1) * per_item); ++j) {
         for (int64_t r = 0; r < M; r += kRowBlock) {
           kTileFns[std::min(kRowBlock, M - r)](xs + r * K, K, ws + j * K * kTile, ys + r * N + j * kTile, N);
         }
       }
-      shared->unfinished--;
-    }
-  };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  while (shared->unfinished.load() > 0) std::this_thread::yield();
+    };
+  });
   return ffi::Error::Success();
 }
 
