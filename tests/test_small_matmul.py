@@ -128,17 +128,3 @@ def test_greedy_speculative_output_equals_ar_on_a_float32_target_with_the_kernel
         ids, _ = engine.generate(PROMPTS, 40, spec=spec)
         assert ids == reference
 
-
-def test_the_target_head_of_a_packed_target_reads_the_packed_copy_for_few_rows():
-    from treespark_jax.drafter.model import TargetHead
-
-    packed, plain = float32_pair("qwen2")  # an untied head
-    head, xla = TargetHead.of(packed, jnp.float32), TargetHead.of(plain, jnp.float32)
-    assert head.packed is not None and xla.packed is None and head.restricted(jnp.arange(5)).packed is None
-    assert TargetHead.of(packed, jnp.bfloat16).packed is None  # a drafter of another dtype
-    hidden = jnp.asarray(np.random.default_rng(0).standard_normal((1, 7, 48)), jnp.float32)
-    normaliser = jax.jit(lambda h, x: h.normaliser(x))
-    assert kernel.TARGET in normaliser.lower(head, hidden).as_text()
-    (lse, top), (want_lse, want_top) = normaliser(head, hidden), normaliser(xla, hidden)
-    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
-    assert np.array_equal(top, want_top)

@@ -36,6 +36,9 @@ DIMENSIONS: dict[str, str] = {
     "V": "vocabulary",
     "L": "decoder layers",
     "X": "context-feature width: m logged target layers × D",
+    "fan_in": "input width of a weight matrix (rows of ``x @ w``'s ``w``)",
+    "fan_out": "output width of a weight matrix (columns of ``w``)",
+    "tiles": "column tiles of 32 of a packed weight matrix (models/small_matmul.py)",
     # the drafter
     "P": "drafter block slots (the block size γ)",
     "Q": "drafter query rows of one call",

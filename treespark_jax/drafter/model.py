@@ -26,8 +26,7 @@ from treespark_jax.mesh import data_parallel
 from treespark_jax.models.decoder import Decoder, DecoderLayer, layer_param_names
 from treespark_jax.models.kv_cache import KVCache, by_key_width, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
-from treespark_jax.models.layers import attention, rms_norm
-from treespark_jax.models.small_matmul import head_logits
+from treespark_jax.models.layers import attention, lm_logits, rms_norm
 from treespark_jax.models.weights import expected_shapes
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.proposal import Proposal
@@ -46,27 +45,22 @@ class TargetHead:
         ``None`` for the target's whole head (row ``i`` is token ``i``).
       token_columns: ``[V]`` int32 the logit column of every token id of the whole vocabulary
         in a restricted head, ``C`` for a token outside it; ``None`` for the whole head.
-      packed: the target's packed copy of its whole head (``Decoder.head_packed``), which logits of
-        a few rows read on the CPU (``models/small_matmul.py``); ``None`` otherwise.
     """
 
     embed: Float[Array, "C D"]
     lm_head: Float[Array, "D C"] | None
     vocab_ids: Int[Array, "C"] | None = None
     token_columns: Int[Array, "V"] | None = None
-    packed: Float[Array, "J D 32"] | None = None
 
     @classmethod
     def of(cls, target: Decoder, dtype) -> "TargetHead":
-        """The target's arrays in the drafter's ``dtype`` (no copy when the dtypes agree), with its
-        packed head when the dtypes agree."""
+        """The target's arrays in the drafter's ``dtype`` (no copy when the dtypes agree)."""
         head = target.lm_head[...].astype(dtype) if not target.cfg.tie_embeddings else None
-        packed = target.head_packed[...] if target.head_packed is not None and dtype == target.dtype else None
-        return cls(embed=target.embed[...].astype(dtype), lm_head=head, packed=packed)
+        return cls(embed=target.embed[...].astype(dtype), lm_head=head)
 
     def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... C"]:
         """LM-head logits of final-norm hidden states."""
-        return head_logits(hidden, self.embed, self.lm_head, self.packed)
+        return lm_logits(hidden, self.embed, self.lm_head)
 
     def token_logits(self, hidden: Float[Array, "B *anchors P D"], ids: Int[Array, "B *anchors ctx"]
                      ) -> Float[Array, "B *anchors P ctx"]:

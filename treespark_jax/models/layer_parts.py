@@ -19,7 +19,7 @@ from treespark_jax.models.small_matmul import dense
 from treespark_jax.typing import Array, Float, Int
 
 
-def project(p: dict[str, jax.Array], name: str, h: Float[Array, "B T X"]) -> Float[Array, "B T Y"]:
+def project(p: dict[str, jax.Array], name: str, h: Float[Array, "B T fan_in"]) -> Float[Array, "B T fan_out"]:
     """``h @ p[name]``, through its packed copy where ``p`` has one (``small_matmul.dense``)."""
     return dense(h, p[name], p.get("packed", {}).get(name))
 

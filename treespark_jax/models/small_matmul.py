@@ -54,9 +54,9 @@ def kernel_available() -> bool:
                                 lambda cxx: _build(cxx), "TreesparkPackedMatmul", TARGET)
 
 
-def pack(w: Float[Array, "K N"]) -> Float[Array, "J K 32"]:
-    """``w`` in column tiles: ``[J, K, 32]`` with ``J = ceil(N / 32)``, tile ``j`` = columns
-    ``32j .. 32j + 31`` row by row (zero columns pad the last tile)."""
+def pack(w: Float[Array, "fan_in fan_out"]) -> Float[Array, "tiles fan_in 32"]:
+    """``w [fan_in, fan_out]`` in column tiles: ``[tiles, fan_in, 32]`` with ``tiles = ceil(fan_out / 32)``,
+    tile ``j`` = columns ``32j .. 32j + 31`` row by row (zero columns pad the last tile)."""
     k, n = w.shape
     j = -(-n // TILE)
     return jnp.pad(w, ((0, 0), (0, j * TILE - n))).reshape(k, j, TILE).transpose(1, 0, 2)
@@ -72,14 +72,15 @@ def packs_weights(dtype) -> bool:
     return cpu_kernels.kernels_on() and jnp.dtype(dtype) == jnp.float32 and kernel_available()
 
 
-def kernel_applies(x: Float[Array, "... K"]) -> bool:
+def kernel_applies(x: Float[Array, "... fan_in"]) -> bool:
     """Whether ``x`` (its rows = the product of its leading dimensions) is multiplied by the kernel
     (module docstring), decided at trace time."""
     return (cpu_kernels.kernels_apply() and x.dtype == jnp.float32 and 0 < int(np.prod(x.shape[:-1])) <= MAX_ROWS
             and kernel_available())
 
 
-def packed_matmul(x: Float[Array, "... K"], packed: Float[Array, "J K 32"], n: int) -> Float[Array, "... n"]:
+def packed_matmul(x: Float[Array, "... fan_in"], packed: Float[Array, "tiles fan_in 32"], n: int
+                  ) -> Float[Array, "... fan_out"]:
     """``x @ w`` by the kernel, ``packed = pack(w)`` and ``n`` = ``w``'s columns (float32 only,
     ``kernel_applies(x)`` true).
 
@@ -97,8 +98,8 @@ def packed_matmul(x: Float[Array, "... K"], packed: Float[Array, "J K 32"], n: i
     return y[:, :n].reshape(*x.shape[:-1], n)
 
 
-def dense(x: Float[Array, "... K"], w: Float[Array, "K N"], packed: Float[Array, "J K 32"] | None
-          ) -> Float[Array, "... N"]:
+def dense(x: Float[Array, "... fan_in"], w: Float[Array, "fan_in fan_out"],
+          packed: Float[Array, "tiles fan_in 32"] | None) -> Float[Array, "... fan_out"]:
     """``x @ w``: by the kernel when ``packed`` (``pack(w)``) is given and ``kernel_applies(x)``,
     else by XLA. The one place a layer's matmul chooses between them."""
     if packed is not None and kernel_applies(x):
@@ -107,7 +108,7 @@ def dense(x: Float[Array, "... K"], w: Float[Array, "K N"], packed: Float[Array,
 
 
 def head_logits(hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_head: Float[Array, "D V"] | None,
-                packed: Float[Array, "J D 32"] | None) -> Float[Array, "... V"]:
+                packed: Float[Array, "tiles D 32"] | None) -> Float[Array, "... V"]:
     """LM-head logits (``layers.lm_logits``; ``lm_head=None``: tied), by the kernel when
     ``packed`` (``pack`` of the ``[D, V]`` head) is given and ``kernel_applies(hidden)``. The one
     place an LM head chooses between them."""
