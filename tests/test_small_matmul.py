@@ -128,3 +128,16 @@ def test_greedy_speculative_output_equals_ar_on_a_float32_target_with_the_kernel
         ids, _ = engine.generate(PROMPTS, 40, spec=spec)
         assert ids == reference
 
+
+
+def test_gradients_through_the_kernel_are_xlas():
+    x, w = operands(5, 48, 80, seed=2)
+    g = jnp.asarray(np.random.default_rng(3).standard_normal((5, 80)), jnp.float32)
+
+    def loss(x, w, packed):
+        return jnp.sum(kernel.dense(x, w, packed) * g)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, kernel.pack(w))
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, None)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

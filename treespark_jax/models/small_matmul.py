@@ -98,12 +98,30 @@ def packed_matmul(x: Float[Array, "... fan_in"], packed: Float[Array, "tiles fan
     return y[:, :n].reshape(*x.shape[:-1], n)
 
 
+@jax.custom_vjp
+def _kernel_product(x, w, packed):
+    return packed_matmul(x, packed, w.shape[1])
+
+
+def _kernel_product_fwd(x, w, packed):
+    return _kernel_product(x, w, packed), (x, w)
+
+
+def _kernel_product_bwd(res, g):  # the FFI call has no derivative: XLA's products of x @ w's
+    x, w = res
+    return g @ w.T, jnp.einsum("...i,...o->io", x, g), None
+
+
+_kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)
+
+
 def dense(x: Float[Array, "... fan_in"], w: Float[Array, "fan_in fan_out"],
           packed: Float[Array, "tiles fan_in 32"] | None) -> Float[Array, "... fan_out"]:
     """``x @ w``: by the kernel when ``packed`` (``pack(w)``) is given and ``kernel_applies(x)``,
-    else by XLA. The one place a layer's matmul chooses between them."""
+    else by XLA. The one place a layer's matmul chooses between them. Differentiable in ``x`` and
+    ``w`` either way (the kernel's gradients are XLA's products); ``packed`` gets none."""
     if packed is not None and kernel_applies(x):
-        return packed_matmul(x, packed, w.shape[1])
+        return _kernel_product(x, w, packed)
     return x @ w
 
 
@@ -113,5 +131,5 @@ def head_logits(hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_he
     ``packed`` (``pack`` of the ``[D, V]`` head) is given and ``kernel_applies(hidden)``. The one
     place an LM head chooses between them."""
     if packed is not None and kernel_applies(hidden):
-        return packed_matmul(hidden, packed, embed.shape[0])
+        return _kernel_product(hidden, embed.T if lm_head is None else lm_head, packed)
     return lm_logits(hidden, embed, lm_head)
