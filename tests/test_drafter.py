@@ -88,12 +88,17 @@ def full_context(drafter, features, lengths, capacity):
                                   lengths)
 
 
-def first_proposal(proposer, features, anchor):
-    """The Proposal right after a prefill of one row whose features are ``features [1, T, m·D]``."""
+def proposal_inputs(proposer, features, anchor):
+    """``propose``'s arguments right after a prefill of one row whose features are ``features [1, T, m·D]``."""
     t = features.shape[1]
     state = jax.jit(proposer.init, static_argnums=5)(
         proposer.weights, jnp.zeros((1, t), jnp.int32), jnp.asarray([t]), jnp.asarray([anchor]), features, 32)
-    return jax.jit(proposer.propose)(state, jnp.asarray([anchor]), None)
+    return state, jnp.asarray([anchor]), None
+
+
+def first_proposal(proposer, features, anchor):
+    """The Proposal right after a prefill of one row whose features are ``features [1, T, m·D]``."""
+    return jax.jit(proposer.propose)(*proposal_inputs(proposer, features, anchor))
 
 
 # ---------------------------------------------------------------- float32
@@ -242,6 +247,37 @@ def test_a_draft_vocabulary_holding_the_pool_gives_the_same_proposal(target32):
         drafter.with_draft_vocab(np.full(40, 3))
     with pytest.raises(ValueError, match="at least the pool size 16"):
         drafter.with_draft_vocab(np.arange(8))
+
+
+def test_a_proposer_drafts_through_the_matmul_kernel_from_its_own_packed_copy(target32, monkeypatch):
+    """``BlockProposer.create`` packs its own copy of the drafter (context projection, layer
+    matrices) and of the draft head, so a round's few rows run on the CPU matmul kernel; the
+    caller's drafter stays unpacked (training reads it), a whole-vocabulary head reuses the target's
+    packed head, and the proposal is XLA's within float32 rounding."""
+    from treespark_jax.models import small_matmul
+
+    drafters = {"whole": make_drafter(target32),
+                "draft vocabulary": make_drafter(target32).with_draft_vocab(np.random.default_rng(2).permutation(97)[:60])}
+    feats = target_features(target32, np.arange(12)[None], LAYER_IDS)
+    packed = {k: BlockProposer.create(d, target32) for k, d in drafters.items()}
+    with monkeypatch.context() as m:
+        m.setenv("TREESPARK_CPU_KERNELS", "off")
+        plain = {k: BlockProposer.create(d, target32) for k, d in drafters.items()}
+    assert packed["whole"].weights.head.packed is target32.head_packed[...]
+    draft_head = packed["draft vocabulary"].weights.draft_head
+    np.testing.assert_array_equal(draft_head.packed, small_matmul.pack(small_matmul.head_matrix(draft_head.embed,
+                                                                                             draft_head.lm_head)))
+    for k, d in drafters.items():
+        assert d.fc_packed is None and not any(layer.packed for layer in d.layers)
+        assert nnx.merge(plain[k].graphdef, plain[k].weights.params).fc_packed is None
+        module = nnx.merge(packed[k].graphdef, packed[k].weights.params)
+        assert module.fc_packed is not None and all(layer.packed for layer in module.layers)
+        hlo = jax.jit(packed[k].propose).lower(*proposal_inputs(packed[k], feats, 5)).as_text()
+        assert hlo.count(small_matmul.TARGET) >= 1 + 7 * d.cfg.n_layers  # the head and every layer matrix
+        got, want = first_proposal(packed[k], feats, 5), first_proposal(plain[k], feats, 5)
+        np.testing.assert_array_equal(got.pool_ids, want.pool_ids)
+        for name in ("pool_logits", "markov_child", "edge_child", "hidden"):
+            np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5)
 
 
 def test_markov_head_makes_children_depend_on_the_parent(target32):

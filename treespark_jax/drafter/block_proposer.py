@@ -122,11 +122,18 @@ class BlockProposer:
         # to the head's devices so the derived arrays below can be computed from both.
         graphdef, params = nnx.split(drafter)
         params = jax.device_put(params, _replicated_like(head.embed))
-        drafter = nnx.merge(graphdef, params)
-        draft_head = None if drafter.draft_vocab is None else head.restricted(drafter.draft_vocab[...])
+        drafter = nnx.merge(graphdef, params)  # a module of its own: packing it leaves the caller's as it is
+        drafter.pack_for_decoding()
+        graphdef, params = nnx.split(drafter)
+        token_terms = drafter.token_terms(head)
+        if drafter.draft_vocab is None:  # drafts from the whole head: the target's packed copy serves, in its dtype
+            draft_head = None
+            same = target.head_packed is not None and jnp.dtype(drafter.dtype) == jnp.dtype(target.dtype)
+            head = head.for_decoding(target.head_packed[...] if same else None)
+        else:
+            draft_head = head.restricted(drafter.draft_vocab[...]).for_decoding()
         return cls(cfg=drafter.cfg, graphdef=graphdef,
-                   weights=DrafterWeights(params=params, head=head, token_terms=drafter.token_terms(head),
-                                          draft_head=draft_head),
+                   weights=DrafterWeights(params=params, head=head, token_terms=token_terms, draft_head=draft_head),
                    depth=depth)
 
     @property

@@ -26,7 +26,8 @@ from treespark_jax.mesh import data_parallel
 from treespark_jax.models.decoder import Decoder, DecoderLayer, layer_param_names
 from treespark_jax.models.kv_cache import KVCache, by_key_width, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
-from treespark_jax.models.layers import attention, lm_logits, rms_norm
+from treespark_jax.models.layers import attention, rms_norm
+from treespark_jax.models.small_matmul import Packed, dense, head_logits, head_matrix, pack, packs_weights
 from treespark_jax.models.weights import expected_shapes
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.proposal import Proposal
@@ -45,12 +46,15 @@ class TargetHead:
         ``None`` for the target's whole head (row ``i`` is token ``i``).
       token_columns: ``[V]`` int32 the logit column of every token id of the whole vocabulary
         in a restricted head, ``C`` for a token outside it; ``None`` for the whole head.
+      packed: ``[tiles, D, 32]`` the head's packed copy (``small_matmul.pack``) that ``logits``
+        multiplies a few rows by on the CPU (``for_decoding``), or ``None``: XLA's product.
     """
 
     embed: Float[Array, "C D"]
     lm_head: Float[Array, "D C"] | None
     vocab_ids: Int[Array, "C"] | None = None
     token_columns: Int[Array, "V"] | None = None
+    packed: Float[Array, "tiles D 32"] | None = None
 
     @classmethod
     def of(cls, target: Decoder, dtype) -> "TargetHead":
@@ -59,8 +63,20 @@ class TargetHead:
         return cls(embed=target.embed[...].astype(dtype), lm_head=head)
 
     def logits(self, hidden: Float[Array, "... D"]) -> Float[Array, "... C"]:
-        """LM-head logits of final-norm hidden states."""
-        return lm_logits(hidden, self.embed, self.lm_head)
+        """LM-head logits of final-norm hidden states (through ``packed`` where it applies:
+        ``small_matmul.head_logits``)."""
+        return head_logits(hidden, self.embed, self.lm_head, self.packed)
+
+    def for_decoding(self, packed: Float[Array, "tiles D 32"] | None = None) -> "TargetHead":
+        """This head with a packed copy, so that the few rows a decode round drafts multiply
+        through the CPU matmul kernel: 4 rows against 8,192 columns took 0.7 ms there and 1.8–3.3
+        ms by XLA's product in a probe on the 2-core development machine. ``packed`` reuses a
+        copy made already (the target's ``head_packed``, for its whole head in its dtype);
+        otherwise the head is packed here (its size again in memory). Itself where the target
+        would keep no packed copies (``small_matmul.packs_weights``) or it has one already."""
+        if self.packed is not None or not packs_weights(self.embed.dtype):
+            return self
+        return self.replace(packed=pack(head_matrix(self.embed, self.lm_head)) if packed is None else packed)
 
     def token_logits(self, hidden: Float[Array, "B *anchors P D"], ids: Int[Array, "B *anchors ctx"]
                      ) -> Float[Array, "B *anchors P ctx"]:
@@ -196,6 +212,7 @@ class BlockDrafter(nnx.Module):
             return std * jax.random.normal(rngs.params(), shape, dtype)
 
         self.fc = nnx.Param(normal((len(cfg.target_layer_ids) * d, d)))
+        self.fc_packed = None  # a packed copy for decoding (``pack_for_decoding``)
         self.context_norm = nnx.Param(jnp.ones((d,), dtype))
         if cfg.mask_token_id is None:  # else the MASK is the target's embedding of that token
             self.mask_embed = nnx.Param(normal((d,)))
@@ -247,6 +264,19 @@ class BlockDrafter(nnx.Module):
         for layer, i in zip(self.layers, ids):
             for name, value in target.layers[i].arrays(target.cfg).items():
                 getattr(layer, name)[...] = jnp.asarray(value, self.dtype)
+
+    def pack_for_decoding(self) -> None:
+        """Keeps a packed copy (``small_matmul.pack``) of the context projection and of every layer's
+        weight matrices, so that a decode round's few rows multiply through the CPU matmul kernel
+        (``small_matmul.dense``); nothing where the target would keep no packed copies
+        (``small_matmul.packs_weights``). ``BlockProposer.create`` packs its own copy of the module;
+        a drafter being trained is never packed (packed copies are neither trained nor needed by
+        the training step's hundreds of rows)."""
+        if self.fc_packed is not None or not packs_weights(self.dtype):
+            return
+        t_cfg = self.target_cfg
+        self.fc_packed = nnx.data(Packed(pack(self.fc[...])))  # (None at first: declared data here)
+        self.layers = nnx.List([DecoderLayer(t_cfg, layer.arrays(t_cfg), packed=True) for layer in self.layers])
 
     def set_draft_vocab(self, ids) -> None:
         """Sets the draft vocabulary to the distinct token ids ``ids`` (``[draft_vocab]``).
@@ -300,7 +330,9 @@ class BlockDrafter(nnx.Module):
     def context_vectors(self, features: Float[Array, "B T X"]) -> Float[Array, "B T D"]:
         """The projected context ``RMSNorm(features @ fc)`` of target features ``[B, T, m·D]``
         (concatenated in ``cfg.target_layer_ids`` order)."""
-        return rms_norm(features.astype(self.dtype) @ self.fc[...], self.context_norm[...], self.target_cfg.rms_eps)
+        fc_packed = None if self.fc_packed is None else self.fc_packed[...]
+        return rms_norm(dense(features.astype(self.dtype), self.fc[...], fc_packed), self.context_norm[...],
+                        self.target_cfg.rms_eps)
 
     def context_keys_values(self, ctx: Float[Array, "B T D"], positions: Int[Array, "B T"]
                             ) -> list[tuple[Float[Array, "B K T E"], Float[Array, "B K T E"]]]:
@@ -314,7 +346,7 @@ class BlockDrafter(nnx.Module):
           One ``(k, v)`` pair per drafter layer, each ``[B, K, T, E]`` (head-major).
         """
         t_cfg = self.target_cfg
-        return [key_value_heads(layer.arrays(t_cfg), t_cfg, ctx, positions) for layer in self.layers]
+        return [key_value_heads(layer.call_arrays(t_cfg), t_cfg, ctx, positions) for layer in self.layers]
 
     def pointer_keys(self, ctx: Float[Array, "B T D"]) -> Float[Array, "B T ptr"] | None:
         """The pointer key ``c W_k`` of every projected context vector, or ``None`` without a pointer."""
@@ -401,7 +433,7 @@ class BlockDrafter(nnx.Module):
         """
         t_cfg = self.target_cfg
         for layer, (ctx_k, ctx_v) in zip(self.layers, context_kv):
-            w = layer.arrays(t_cfg)
+            w = layer.call_arrays(t_cfg)
             h = rms_norm(x, w["attn_norm"], t_cfg.rms_eps)
             k, v = key_value_heads(w, t_cfg, h, positions)
             keys = jnp.concatenate([ctx_k, k], axis=2)

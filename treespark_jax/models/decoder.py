@@ -18,7 +18,7 @@ from treespark_jax.models.block_attention import cache_attention
 from treespark_jax.models.kv_cache import KVCache, write_slots
 from treespark_jax.models.layer_parts import finish_layer, key_value_heads, query_heads
 from treespark_jax.models.layers import rms_norm
-from treespark_jax.models.small_matmul import Packed, head_logits, pack, packs_weights
+from treespark_jax.models.small_matmul import Packed, head_logits, head_matrix, pack, packs_weights
 from treespark_jax.models.weights import check_weights, expected_shapes
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Bool, Float, Int
@@ -172,7 +172,7 @@ class Decoder(nnx.Module):
 
     def head_matrix(self) -> Float[Array, "D V"]:
         """The LM head as a ``[D, V]`` matrix (the transposed embedding when tied)."""
-        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        return head_matrix(self.embed[...], None if self.cfg.tie_embeddings else self.lm_head[...])
 
     def logits(self, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """LM-head logits of final-norm hidden states (tied head = transposed embedding); a few rows

@@ -125,11 +125,16 @@ def dense(x: Float[Array, "... fan_in"], w: Float[Array, "fan_in fan_out"],
     return x @ w
 
 
+def head_matrix(embed: Float[Array, "V D"], lm_head: Float[Array, "D V"] | None) -> Float[Array, "D V"]:
+    """An LM head as a ``[D, V]`` matrix: ``lm_head``, or the transposed embedding when tied (``None``)."""
+    return embed.T if lm_head is None else lm_head
+
+
 def head_logits(hidden: Float[Array, "... D"], embed: Float[Array, "V D"], lm_head: Float[Array, "D V"] | None,
                 packed: Float[Array, "tiles D 32"] | None) -> Float[Array, "... V"]:
     """LM-head logits (``layers.lm_logits``; ``lm_head=None``: tied), by the kernel when
     ``packed`` (``pack`` of the ``[D, V]`` head) is given and ``kernel_applies(hidden)``. The one
     place an LM head chooses between them."""
     if packed is not None and kernel_applies(hidden):
-        return _kernel_product(hidden, embed.T if lm_head is None else lm_head, packed)
+        return _kernel_product(hidden, head_matrix(embed, lm_head), packed)
     return lm_logits(hidden, embed, lm_head)
