@@ -46,7 +46,7 @@ import numpy as np
 from treespark_jax.bench.profile import forward_call, forward_program, interleaved_seconds
 from treespark_jax.cli.common import comma_list
 from treespark_jax.decode.buckets import cache_capacity
-from treespark_jax.models import block_attention, decoder, kv_cache
+from treespark_jax.models import block_attention, cpu_kernels, decoder, kv_cache
 from treespark_jax.models.layers import attention
 from treespark_jax.models.load import load_target
 
@@ -85,15 +85,8 @@ def key_blocks(size: int):
 
 def without_kernel(*args):
     """``block_attention.cache_attention`` traced with the CPU kernel off."""
-    saved = os.environ.get("TREESPARK_CPU_KERNELS")
-    os.environ["TREESPARK_CPU_KERNELS"] = "off"
-    try:
+    with cpu_kernels.kernels_off():
         return block_attention.cache_attention(*args)
-    finally:
-        if saved is None:
-            del os.environ["TREESPARK_CPU_KERNELS"]
-        else:
-            os.environ["TREESPARK_CPU_KERNELS"] = saved
 
 
 def variant(mode: str, capacity: int):

@@ -31,19 +31,13 @@ import numpy as np
 from treespark_jax.api import load
 from treespark_jax.bench.profile import draft_call, interleaved_seconds, round_part_calls
 from treespark_jax.decode.buckets import cache_capacity
+from treespark_jax.models import cpu_kernels
 
 
 def unpacked_speculation(lm, method: str, budget: int):
     """The method's speculation with its drafter bound while the CPU kernels are off (no packed copies)."""
-    before = os.environ.get("TREESPARK_CPU_KERNELS")
-    os.environ["TREESPARK_CPU_KERNELS"] = "off"
-    try:
+    with cpu_kernels.kernels_off():
         return lm.speculation(method=method, budget=budget)
-    finally:
-        if before is None:
-            del os.environ["TREESPARK_CPU_KERNELS"]
-        else:
-            os.environ["TREESPARK_CPU_KERNELS"] = before
 
 
 def main() -> None:

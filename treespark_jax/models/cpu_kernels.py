@@ -11,6 +11,7 @@ program is traced).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -20,7 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -104,6 +105,21 @@ def register(what: str, fallback: str, build_library: Callable[[list[str]], Path
 def kernels_on() -> bool:
     """Whether kernels may run at all: the CPU backend, and ``TREESPARK_CPU_KERNELS`` not ``off``."""
     return os.environ.get("TREESPARK_CPU_KERNELS") != "off" and jax.default_backend() == "cpu"
+
+
+@contextlib.contextmanager
+def kernels_off() -> Iterator[None]:
+    """Within the block ``TREESPARK_CPU_KERNELS=off`` (``kernels_on`` is false: programs traced and
+    drafters bound there use XLA's products); the setting before is restored after it."""
+    saved = os.environ.get("TREESPARK_CPU_KERNELS")
+    os.environ["TREESPARK_CPU_KERNELS"] = "off"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TREESPARK_CPU_KERNELS"]
+        else:
+            os.environ["TREESPARK_CPU_KERNELS"] = saved
 
 
 def kernels_apply() -> bool:
