@@ -4,6 +4,8 @@ Greedy speculative output must equal greedy autoregressive output token for toke
 no near-tie can hide a bug, so no divergence is allowed.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,6 +169,26 @@ def test_one_program_per_budget_for_a_long_generation(model):
     _, stats = eng.generate([[2, 7, 1, 8, 2]], 256, spec=speculation(spec.proposer, TreeConfig(
         budget=32, max_depth=6, branch=4, builder="treespark"), cost_aware_stop=True))
     assert stats.compiles == 2  # a new maximum budget: its prefill and its round program
+
+
+def test_the_verify_ladder_writes_the_kv_cache_in_place(model):
+    """The round program of a multi-rung ladder holds no copy of a whole cache array (a
+    ``lax.switch`` over the rungs made XLA copy keys and values every round); its optimized HLO."""
+    from treespark_jax.decode import jitted
+
+    eng = Engine(model, stop_ids=[])
+    tree = TreeConfig(budget=16, max_depth=6, branch=4, builder="treespark")
+    session = eng.session(speculation(RandomProposer(V, 8, 48, 4), tree, cost_aware_stop=True))
+    assert len(session.plan.ladder) > 1
+    state, requests = session.start(PROMPTS[:2], 40, 0.0, 1.0, 0)
+    loop = functools.partial(jitted.spec_program.fn, proposer=session.spec.proposer, plan=session.plan)
+    hlo = jax.jit(loop, donate_argnums=2).lower(  # the state donated, as the engine does
+        eng.graphdef, eng.weights, state, requests, jnp.asarray(4, jnp.int32)).compile().as_text()
+    k = state.gen.cache.k
+    cache_array = f"{jnp.dtype(k.dtype).name.replace('float', 'f')}[{','.join(map(str, k.shape))}]"
+    assert f" {cache_array}{{" in hlo  # the cache is in the program, so a copy of it would be seen
+    copies = [line for line in hlo.splitlines() if f"= {cache_array}{{" in line and " copy(" in line]
+    assert not copies, copies[:2]
 
 
 def test_tree_rows_equal_autoregressive_logits_along_each_path(model):

@@ -2,11 +2,13 @@
 
 Everything runs on device: one ``lax.while_loop`` over rounds with per-row ``done`` flags and
 cache lengths, so the host sees results once per call. The round is one compiled program per
-maximum budget ``N``: the verify ladder is a ``lax.switch`` over static sizes inside it, and
+maximum budget ``N``: the verify ladder picks one of a few static sizes inside it, and
 draft skipping (``decode/skip.py``) an inner ``lax.while_loop`` of target steps after a drafted
-round. (A ``lax.cond`` choosing between the two kinds of round measured 4 ms slower per
-skipped round on CPU, 39 against 35 ms, by copying the loop carry; a while loop updates the
-KV cache in place.)
+round. Neither is a ``lax.cond``/``lax.switch``: a conditional whose branches write the KV cache
+makes XLA copy the whole cache (on CPU a ``lax.cond`` between the two kinds of round measured
+4 ms slower per skipped round, 39 against 35 ms, and a ``lax.switch`` over the ladder put eight
+cache copies in the round program), while a while loop updates its carry in place. So the ladder
+runs as one while loop per rung, each taken at most once (``_run_in_place``).
 """
 
 from __future__ import annotations
@@ -82,12 +84,14 @@ class SpecState:
     skip: SkipState | None = None
 
 
-def _verify(model: Decoder, proposer: Proposer, plan: RoundPlan, n: int, tree: DraftTree,
+def _verify(model: Decoder, proposer: Proposer, plan: RoundPlan, n: int, verified: tuple, tree: DraftTree,
             proposal: Proposal, gen: GenState, requests: Requests, keys) -> tuple:
-    """Verifies the first ``n`` nodes of ``tree`` (static ``n``) and accepts a path."""
+    """Verifies the first ``n`` nodes of ``tree`` (static ``n``) against the cache of ``verified``
+    (``(cache, acc, features, hidden)``, the last three unread) and accepts a path; returns a new
+    ``verified``."""
     tcfg = plan.tree
     sub = jax.tree.map(lambda a: a[:, :n], tree)
-    cache = gen.cache
+    cache = verified[0]
     tokens, positions, mask = verify_inputs(sub, gen.anchor, cache.lengths, cache.capacity, tcfg.max_depth)
     out = model(tokens, positions, mask, cache, proposer.layer_ids)
     acc = accept(sub, model.logits(out.hidden), rule=plan.rule, max_depth=tcfg.max_depth, keys=keys,
@@ -144,7 +148,13 @@ def drafted_round(model: Decoder, proposer: Proposer, plan: RoundPlan, state: Sp
         rung = choose_verify_size(survival, ladder, plan.stop_verify_cost(context), plan.cost.draft_cost(context),
                                   non_anticipating=plan.sampled_children)
     branches = [functools.partial(_verify, model, proposer, plan, n) for n in ladder]
-    cache, acc, features, hidden = jax.lax.switch(rung, branches, tree, proposal, gen, requests, keys)
+    operands = (tree, proposal, gen, requests, keys)
+    if len(branches) == 1:
+        cache, acc, features, hidden = branches[0]((gen.cache,), *operands)
+    else:
+        shapes = jax.eval_shape(branches[0], (gen.cache,), *operands)[1:]
+        verified = (gen.cache, *jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+        cache, acc, features, hidden = _run_in_place(rung, branches, verified, *operands)
     log = state.log
     if plan.log_trees:
         log = log.record(active, gen.cache.lengths, tree, jnp.asarray(ladder)[rung], acc, hidden)
@@ -166,6 +176,16 @@ def drafted_round(model: Decoder, proposer: Proposer, plan: RoundPlan, state: Sp
         skip = after_draft(skip, tokens, round_ms, plan.cost.step_cost(context))
     return SpecState(gen=new_gen, proposer=proposer.update(state.proposer, committed),
                      stats=_count(state.stats, acc, active, rung, d), log=log, skip=skip)
+
+
+def _run_in_place(index: Int[Array, ""], branches: list[Callable], carry, *operands):
+    """``branches[index](carry, *operands)``, for branches that return a new ``carry`` of the same
+    structure, as one ``lax.while_loop`` per branch that runs at most once: the carry (here the
+    KV cache) is updated in place, where ``lax.switch`` makes XLA copy it (module docstring)."""
+    for i, branch in enumerate(branches):
+        carry = jax.lax.while_loop(lambda c: c[0], lambda c, b=branch: (jnp.zeros_like(c[0]), b(c[1], *operands)),
+                                   (index == i, carry))[1]
+    return carry
 
 
 def _count(stats: SpecStats, acc: Acceptance, active, rung, max_depth: int) -> SpecStats:

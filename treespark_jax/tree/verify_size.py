@@ -5,7 +5,7 @@ expected to commit ``1 + Σ_{i≤n} survival_i`` tokens (the bonus plus the expe
 nodes, ``survival_i = exp(score_i)``) for ``C_d + C_v(n)`` seconds of drafting and verifying;
 the stop picks ``n*`` maximising that ratio. A graph compiled for ``N`` rows pays for ``N``
 rows, so the round verifies on a ladder of compiled sizes and takes the smallest rung ``≥``
-the largest ``n*`` of the batch (one ``lax.switch``).
+the largest ``n*`` of the batch (``decode/speculative.py`` runs it in place of the others).
 """
 
 from __future__ import annotations
