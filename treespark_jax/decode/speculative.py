@@ -28,6 +28,7 @@ from treespark_jax.decode.state import GenState, Requests, append_tokens
 from treespark_jax.decode.tree_log import TreeLog
 from treespark_jax.drafter.proposer import Committed, Proposer
 from treespark_jax.models.decoder import Decoder
+from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.accept import Acceptance, accept
 from treespark_jax.tree.arrays import DraftTree
@@ -84,14 +85,12 @@ class SpecState:
     skip: SkipState | None = None
 
 
-def _verify(model: Decoder, proposer: Proposer, plan: RoundPlan, n: int, verified: tuple, tree: DraftTree,
+def _verify(model: Decoder, proposer: Proposer, plan: RoundPlan, n: int, cache: KVCache, tree: DraftTree,
             proposal: Proposal, gen: GenState, requests: Requests, keys) -> tuple:
-    """Verifies the first ``n`` nodes of ``tree`` (static ``n``) against the cache of ``verified``
-    (``(cache, acc, features, hidden)``, the last three unread) and accepts a path; returns a new
-    ``verified``."""
+    """Verifies the first ``n`` nodes of ``tree`` (static ``n``) against ``cache`` and accepts a
+    path; returns ``(cache, acc, features, hidden)``."""
     tcfg = plan.tree
     sub = jax.tree.map(lambda a: a[:, :n], tree)
-    cache = verified[0]
     tokens, positions, mask = verify_inputs(sub, gen.anchor, cache.lengths, cache.capacity, tcfg.max_depth)
     out = model(tokens, positions, mask, cache, proposer.layer_ids)
     acc = accept(sub, model.logits(out.hidden), rule=plan.rule, max_depth=tcfg.max_depth, keys=keys,
@@ -150,11 +149,9 @@ def drafted_round(model: Decoder, proposer: Proposer, plan: RoundPlan, state: Sp
     branches = [functools.partial(_verify, model, proposer, plan, n) for n in ladder]
     operands = (tree, proposal, gen, requests, keys)
     if len(branches) == 1:
-        cache, acc, features, hidden = branches[0]((gen.cache,), *operands)
+        cache, acc, features, hidden = branches[0](gen.cache, *operands)
     else:
-        shapes = jax.eval_shape(branches[0], (gen.cache,), *operands)[1:]
-        verified = (gen.cache, *jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
-        cache, acc, features, hidden = _run_in_place(rung, branches, verified, *operands)
+        cache, acc, features, hidden = _run_in_place(rung, branches, gen.cache, *operands)
     log = state.log
     if plan.log_trees:
         log = log.record(active, gen.cache.lengths, tree, jnp.asarray(ladder)[rung], acc, hidden)
@@ -178,14 +175,17 @@ def drafted_round(model: Decoder, proposer: Proposer, plan: RoundPlan, state: Sp
                      stats=_count(state.stats, acc, active, rung, d), log=log, skip=skip)
 
 
-def _run_in_place(index: Int[Array, ""], branches: list[Callable], carry, *operands):
-    """``branches[index](carry, *operands)``, for branches that return a new ``carry`` of the same
-    structure, as one ``lax.while_loop`` per branch that runs at most once: the carry (here the
-    KV cache) is updated in place, where ``lax.switch`` makes XLA copy it (module docstring)."""
+def _run_in_place(index: Int[Array, ""], branches: list[Callable], cache: KVCache, *operands) -> tuple:
+    """``branches[index](cache, *operands)``, for branches that return ``(cache, *results)`` alike
+    in structure, as one ``lax.while_loop`` per branch that runs at most once: the cache is updated
+    in place, where ``lax.switch`` makes XLA copy it (module docstring). The results start as
+    zeros of their shapes, replaced by the chosen branch's."""
+    results = jax.eval_shape(branches[0], cache, *operands)[1:]
+    out = (cache, *jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), results))
     for i, branch in enumerate(branches):
-        carry = jax.lax.while_loop(lambda c: c[0], lambda c, b=branch: (jnp.zeros_like(c[0]), b(c[1], *operands)),
-                                   (index == i, carry))[1]
-    return carry
+        out = jax.lax.while_loop(lambda c: c[0], lambda c, b=branch: (jnp.zeros_like(c[0]), b(c[1][0], *operands)),
+                                 (index == i, out))[1]
+    return out
 
 
 def _count(stats: SpecStats, acc: Acceptance, active, rung, max_depth: int) -> SpecStats:
