@@ -6,8 +6,8 @@ same prompts (training split of a prompt set, first user turn through the chat t
 - ``two passes`` (the rollout of commit e910eea): ``Engine.generate``, then one causal forward
   of the target over every ``prompt + response`` (``rollouts.writer.target_features``);
 - ``while generating`` (today's): ``Engine.generate_features`` logs every token's features and
-  hidden state from the generation's own forwards, then the LM head gives the normaliser of the
-  rows from the last prompt token on (``rollouts.writer.record_normalisers``).
+  hidden state from the generation's own forwards, and from the last prompt token on the
+  normaliser of the logits each step drew its token from (no pass after the generation).
 
 Tokens/s counts response tokens over the wall time of generation and features (compilation
 excluded: every variant and batch size runs once before it is timed; writing shards is left
@@ -29,11 +29,10 @@ from pathlib import Path
 
 from treespark_jax.config import default_layer_ids
 from treespark_jax.decode.engine import Engine
-from treespark_jax.drafter.model import TargetHead
 from treespark_jax.models.load import load_target
 from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.load import load_prompts
-from treespark_jax.rollouts.writer import record_normalisers, target_features
+from treespark_jax.rollouts.writer import target_features
 
 
 def two_passes(target, engine, prompts, batch, new, layer_ids) -> int:
@@ -48,13 +47,11 @@ def two_passes(target, engine, prompts, batch, new, layer_ids) -> int:
 
 
 def while_generating(target, engine, prompts, batch, new, layer_ids) -> int:
-    """Today's rollout: features logged while generating, then the normalisers."""
-    head = TargetHead.of(target.model, target.model.dtype)
+    """Today's rollout: every array field of a record logged while generating."""
     tokens = 0
     for start in range(0, len(prompts), batch):
         ids = prompts[start: start + batch]
-        outs, feats = engine.generate_features(ids, new, layer_ids)
-        record_normalisers(head, [h for _, h in feats], [len(p) - 1 for p in ids])
+        outs, _ = engine.generate_features(ids, new, layer_ids)
         tokens += sum(map(len, outs))
     return tokens
 

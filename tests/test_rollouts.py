@@ -125,6 +125,16 @@ def _reference(model, layer_ids, length: int = 128):
     return run
 
 
+def _check_normalisers(model, hidden: np.ndarray, lse: np.ndarray, top: np.ndarray, prompt_len: int) -> None:
+    """``lse`` and ``top`` are the logsumexp and argmax of ``model``'s logits of ``hidden`` (float32,
+    as stored) from the last prompt row on, and 0 and -1 before it (``records.first_normalised_row``)."""
+    logits = np.asarray(model.logits(jnp.asarray(hidden)[None]))[0]
+    start = prompt_len - 1
+    np.testing.assert_allclose(lse[start:], jax.nn.logsumexp(logits[start:], axis=-1), rtol=1e-5)
+    np.testing.assert_array_equal(top[start:], np.argmax(logits[start:], axis=-1))
+    assert not lse[:start].any() and np.all(top[:start] == -1)
+
+
 def test_records_round_trip_to_the_targets_recomputed_features(baseline, target, prompts, engine):
     manifest = json.loads((baseline / MANIFEST).read_text())
     ids = tuple(manifest["layer_ids"])
@@ -143,7 +153,7 @@ def test_records_round_trip_to_the_targets_recomputed_features(baseline, target,
         np.testing.assert_array_equal(rec["tokens"][: len(p)], p)
         np.testing.assert_array_equal(rec["loss_mask"], np.arange(len(rec["tokens"])) >= len(p))
         assert 1 <= rec["loss_mask"].sum() <= SETTINGS.max_new_tokens
-        assert rec["features"].dtype == rec["hidden"].dtype == np.dtype("bfloat16")
+        assert rec["features"].dtype == np.dtype("bfloat16") and rec["hidden"].dtype == np.float32
         # Written while generating (``Engine.generate_features``), equal to a separate forward pass.
         feats, hidden = reference(rec["tokens"])
         for stored, ref in ((rec["features"], feats), (rec["hidden"], hidden)):
@@ -151,12 +161,12 @@ def test_records_round_trip_to_the_targets_recomputed_features(baseline, target,
             # bf16 keeps 8 significant bits: stored = ref (1 ± 2^-8) up to float32 noise.
             np.testing.assert_allclose(stored.astype(np.float32), ref, rtol=2 ** -8 + 1e-4,
                                        atol=1e-5 * np.abs(ref).max())
-        # The normaliser of the stored hidden states, from the last prompt position on.
-        logits = np.asarray(target.model.logits(jnp.asarray(rec["hidden"].astype(np.float32))[None]))[0]
-        start = len(p) - 1
-        np.testing.assert_allclose(rec["target_lse"][start:], jax.nn.logsumexp(logits[start:], axis=-1), rtol=1e-5)
-        np.testing.assert_array_equal(rec["target_top"][start:], np.argmax(logits[start:], axis=-1))
-        assert not rec["target_lse"][:start].any() and np.all(rec["target_top"][:start] == -1)
+        np.testing.assert_allclose(rec["hidden"], hidden, rtol=1e-4, atol=1e-5 * np.abs(hidden).max())  # float32
+        # The normaliser of the stored hidden state's logits, logged while generating, from the
+        # last prompt position on.
+        _check_normalisers(target.model, rec["hidden"], rec["target_lse"], rec["target_top"], len(p))
+        # Greedy: each row's argmax is the response token that follows it.
+        np.testing.assert_array_equal(rec["target_top"][len(p) - 1: -1], rec["tokens"][len(p):])
     # The response is what greedy AR decoding of the prompt alone gives.
     first = rs[0]
     p0 = by_id[first["prompt_id"]]
@@ -189,10 +199,11 @@ def test_rows_moved_to_smaller_batches_as_they_finish_keep_their_tokens_and_feat
     for i, (p, cap, full) in enumerate(zip(prompts, caps, alone)):
         tokens = out[i, : n_out[i]].tolist()
         assert tokens == full[:cap]
-        feats, hidden = row_features(log, i, len(p) + len(tokens))
+        feats, hidden, lse, top = row_features(log, i, len(p) + len(tokens))
         ref_feats, ref_hidden = reference(p + tokens)
         for got, ref in ((feats, ref_feats), (hidden, ref_hidden)):
             np.testing.assert_allclose(got.astype(np.float32), ref, rtol=2 ** -8 + 1e-4, atol=1e-5 * np.abs(ref).max())
+        _check_normalisers(target.model, hidden, lse, top, len(p))
 
 
 def test_resume_after_an_interruption_gives_the_same_records(tmp_path, monkeypatch, baseline, target, prompts,
@@ -305,6 +316,22 @@ def _edited_copy(src: Path, dst: Path, **fields) -> Path:
             manifest[key] = value
     (dst / MANIFEST).write_text(json.dumps(manifest))
     return dst
+
+
+def test_format_version_2_is_read_and_never_resumed(tmp_path, baseline, target, prompts, engine):
+    """Version 2 directories (bfloat16 hidden states, each record's normalisers of its rounded
+    states) are still read, but a run does not add version 3 records to one; other versions are
+    refused by name."""
+    old = _edited_copy(baseline, tmp_path / "v2", format_version=2)
+    assert len(open_rollouts(old)) == 4
+    before = sorted((p.name, p.stat().st_size) for p in old.iterdir())
+    with pytest.raises(RolloutError, match="holds rollouts made with rollout format version 2, not 3; .*same settings"):
+        _write(target, prompts, engine, old)
+    assert sorted((p.name, p.stat().st_size) for p in old.iterdir()) == before
+    for version in (1, 99):
+        bad = _edited_copy(baseline, tmp_path / f"v{version}", format_version=version)
+        with pytest.raises(RolloutError, match=f"not a rollout manifest of format version 2 or 3 \\(found {version}"):
+            open_rollouts(bad)
 
 
 def test_directories_must_share_target_and_layers(tmp_path, baseline):

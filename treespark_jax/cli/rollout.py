@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "rollout", help="log the target's answers and per-token features for drafter training",
         description="The target answers each prompt's first user turn (batched; speculatively with "
                     "--drafter) and every record stores the tokens, the response loss mask, the "
-                    "selected-layer features and the final-norm hidden state per token (bfloat16), in "
+                    "selected-layer features (bfloat16) and the final-norm hidden state (float32) per token, in "
                     "ArrayRecord shards with a manifest.json under --out. Re-running the same command "
                     "resumes an interrupted run without duplicating or losing records.")
     add_target_args(ro)

@@ -12,7 +12,7 @@ from treespark_jax.decode.state import GenState, Requests, append_tokens, row_ke
 from treespark_jax.streams import STREAM_TARGET_SAMPLE
 from treespark_jax.models.decoder import Decoder, DecoderOutput
 from treespark_jax.sampling import sample_token
-from treespark_jax.typing import Array, Bool, Int
+from treespark_jax.typing import Array, Bool, Float, Int
 
 
 def decode_mask(lengths: Int[Array, "B"], capacity: int) -> Bool[Array, "B 1 S"]:
@@ -21,15 +21,17 @@ def decode_mask(lengths: Int[Array, "B"], capacity: int) -> Bool[Array, "B 1 S"]
 
 
 def target_step(model: Decoder, state: GenState, requests: Requests, greedy: bool,
-                layer_ids: tuple[int, ...] = ()) -> tuple[GenState, DecoderOutput, Int[Array, "B"]]:
+                layer_ids: tuple[int, ...] = ()
+                ) -> tuple[GenState, DecoderOutput, Int[Array, "B"], Float[Array, "B V"]]:
     """Feeds each row's anchor (last emitted token) and emits the next token.
 
     Finished rows still run (shapes are static) but neither advance their cache nor emit.
 
     Returns:
-      ``(state, output, token)``: the new state, the decoder's output for the anchor (its
+      ``(state, output, token, logits)``: the new state, the decoder's output for the anchor (its
       final-norm hidden state ``[B, 1, D]`` and its features at ``layer_ids`` ``[B, 1, m·D]``,
-      ``None`` without layers) and the ``[B]`` int32 token drawn on every row.
+      ``None`` without layers), the ``[B]`` int32 token drawn on every row and the ``[B, V]``
+      logits it was drawn from (before temperature and top-p).
     """
     cache = state.cache
     positions = cache.lengths[:, None]
@@ -41,7 +43,7 @@ def target_step(model: Decoder, state: GenState, requests: Requests, greedy: boo
     state = state.replace(cache=output.cache.replace(lengths=cache.lengths + advance),
                           anchor=jnp.where(state.done, state.anchor, token), steps=state.steps + 1)
     state, _ = append_tokens(state, token[:, None], jnp.ones_like(advance), requests)
-    return state, output, token
+    return state, output, token, logits
 
 
 def ar_step(model: Decoder, state: GenState, requests: Requests, greedy: bool) -> GenState:
@@ -84,7 +86,8 @@ def compaction_sizes(batch: int) -> tuple[int, ...]:
 def logged_ar_loop(model: Decoder, state: GenState, log: FeatureLog, requests: Requests, greedy: bool,
                    layer_ids: tuple[int, ...], constrain: Callable | None = None, compact: bool = True
                    ) -> tuple[GenState, FeatureLog]:
-    """``ar_loop`` to the end that also logs every fed row's features (``decode.feature_log``).
+    """``ar_loop`` to the end that also logs every fed row's features and normaliser
+    (``decode.feature_log``).
 
     Each step logs its anchor at the position it is fed at; one more step after the loop logs
     the rows' last tokens (it neither emits nor advances a finished row, and its state is not
@@ -118,8 +121,8 @@ def logged_ar_loop(model: Decoder, state: GenState, log: FeatureLog, requests: R
         def step(carry):
             s, lg = carry
             positions = s.cache.lengths
-            s, output, _ = target_step(model, s, requests, greedy, layer_ids)
-            return pin((s, lg.record(positions, output)))
+            s, output, _, logits = target_step(model, s, requests, greedy, layer_ids)
+            return pin((s, lg.record(positions, output, logits)))
 
         state, log = jax.lax.while_loop(lambda c: jnp.sum(~c[0].done) > until, step, (state, log))
         return state, step((state, log))[1]

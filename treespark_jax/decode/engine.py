@@ -214,21 +214,23 @@ class Engine:
 
     def generate_features(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, layer_ids: Sequence[int],
                           temperature: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0
-                          ) -> tuple[list[list[int]], list[tuple[np.ndarray, np.ndarray]]]:
-        """Autoregressive ``generate`` that also returns every token's target features (rollouts).
+                          ) -> tuple[list[list[int]], list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]:
+        """Autoregressive ``generate`` that also returns every token's target features and
+        normaliser (rollouts).
 
-        The features come from the generation's own forwards (``decode.feature_log``): the same
-        values a separate causal forward over ``prompt + response`` gives, up to the summation
-        order of a one-row step, stored in bfloat16. Prefill and loop are one compiled program
-        per (batch, prompt, output) bucket and layer ids.
+        They come from the generation's own forwards (``decode.feature_log``): the same values a
+        separate causal forward over ``prompt + response`` and its LM head give, up to the
+        summation order of a one-row step. Prefill and loop are one compiled program per (batch,
+        prompt, output) bucket and layer ids.
 
         Args:
           prompts, max_new_tokens, temperature, top_p, seed: as ``generate``.
           layer_ids: 0-based target layers whose outputs to log (concatenated in this order).
 
         Returns:
-          ``(token_ids, features)``; ``features[i] = (features [T_i, m·D], hidden [T_i, D])``,
-          bfloat16 numpy arrays over prompt ``i``'s ``T_i = len(prompt) + len(token_ids[i])`` tokens.
+          ``(token_ids, arrays)``; ``arrays[i] = (features [T_i, m·D], hidden [T_i, D], lse [T_i],
+          top [T_i])``, the array fields of prompt ``i``'s rollout record (``records.make_record``)
+          over its ``T_i = len(prompt) + len(token_ids[i])`` tokens (``feature_log.row_features``).
 
         Raises:
           ValueError: as ``generate``.

@@ -19,7 +19,7 @@ from treespark_jax.decode import programs
 from treespark_jax.decode.ar import ar_loop, logged_ar_loop
 from treespark_jax.decode.feature_log import FeatureLog
 from treespark_jax.decode.plan import RoundPlan
-from treespark_jax.decode.prefill import prefill
+from treespark_jax.decode.prefill import last_logits, prefill
 from treespark_jax.decode.programs import Program
 from treespark_jax.decode.skip import SkipState
 from treespark_jax.decode.speculative import SpecState, SpecStats, spec_loop
@@ -51,7 +51,8 @@ def _logged_ar(graphdef, weights, tokens, prompt_lens, active, requests, *, capa
     model = nnx.merge(graphdef, weights)
     state, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity, out_size=out_size,
                          greedy=greedy, layer_ids=layer_ids)
-    carry = _pin(layout, (state, FeatureLog.of_prefill(out, capacity)))
+    log = FeatureLog.of_prefill(out, last_logits(model, out, prompt_lens), prompt_lens, capacity)
+    carry = _pin(layout, (state, log))
     return logged_ar_loop(model, *carry, requests, greedy, layer_ids,
                           constrain=None if layout is None else layout.constrain,
                           compact=layout is None or layout.axis_size("data") == 1)

@@ -9,7 +9,7 @@ from treespark_jax.streams import STREAM_TARGET_SAMPLE
 from treespark_jax.models.decoder import Decoder, DecoderOutput
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.sampling import sample_token
-from treespark_jax.typing import Array, Bool, Int
+from treespark_jax.typing import Array, Bool, Float, Int
 
 
 def prefill_mask(prompt_lens: Int[Array, "B"], length: int, capacity: int) -> Bool[Array, "B T S"]:
@@ -20,6 +20,13 @@ def prefill_mask(prompt_lens: Int[Array, "B"], length: int, capacity: int) -> Bo
     t = jnp.arange(length)[None, :, None]
     s = jnp.arange(capacity)[None, None, :]
     return (s <= t) & (s < prompt_lens[:, None, None])
+
+
+def last_logits(model: Decoder, output: DecoderOutput, prompt_lens: Int[Array, "B"]) -> Float[Array, "B V"]:
+    """The LM-head logits at each row's last prompt position of a prefill's ``output`` (the
+    distribution of its first emitted token)."""
+    last = jnp.take_along_axis(output.hidden, (prompt_lens - 1)[:, None, None], axis=1)
+    return model.logits(last)[:, 0]
 
 
 def prefill(model: Decoder, tokens: Int[Array, "B T"], prompt_lens: Int[Array, "B"],
@@ -46,8 +53,7 @@ def prefill(model: Decoder, tokens: Int[Array, "B T"], prompt_lens: Int[Array, "
     cache = KVCache.zeros(model.cfg, b, capacity, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     output = model(tokens, positions, prefill_mask(prompt_lens, t, capacity), cache, layer_ids)
-    last = jnp.take_along_axis(output.hidden, (prompt_lens - 1)[:, None, None], axis=1)
-    logits = model.logits(last)[:, 0]
+    logits = last_logits(model, output, prompt_lens)
     zeros = jnp.zeros((b,), jnp.int32)
     first = sample_token(row_keys(requests, STREAM_TARGET_SAMPLE, zeros), logits,
                          requests.temperature, requests.top_p, greedy)

@@ -111,7 +111,7 @@ def skipped_round(model: Decoder, proposer: Proposer, plan: RoundPlan, state: Sp
     (``decode.ar.target_step``), and the proposer's context gains the anchor."""
     gen = state.gen
     active = ~gen.done
-    new_gen, output, token = target_step(model, gen, requests, plan.greedy, proposer.layer_ids)
+    new_gen, output, token, _ = target_step(model, gen, requests, plan.greedy, proposer.layer_ids)
     pad = plan.tree.max_depth  # Committed rows beyond the anchor
     features = None if output.features is None else jnp.pad(output.features, ((0, 0), (0, pad), (0, 0)))
     committed = Committed(tokens=jnp.pad(gen.anchor[:, None], ((0, 0), (0, pad))), n=active.astype(jnp.int32),

@@ -1,8 +1,8 @@
 """Rollouts: what the target said and saw, logged for training the drafter (DESIGN.md §1.4).
 
 - :mod:`~treespark_jax.rollouts.records`: one record's fields (tokens, response loss mask,
-  bfloat16 features and final-norm hidden states, and for on-policy rollouts the verified
-  trees) and its msgpack bytes.
+  bfloat16 features, float32 final-norm hidden states and their normalisers, and for on-policy
+  rollouts the verified trees) and its msgpack bytes.
 - :mod:`~treespark_jax.rollouts.store`: ArrayRecord shards, the manifest, resumable writing.
 - :mod:`~treespark_jax.rollouts.reader`: the checked, Grain-compatible reader
   :func:`~treespark_jax.rollouts.reader.open_rollouts` / :class:`~treespark_jax.rollouts.reader.RolloutSet`.

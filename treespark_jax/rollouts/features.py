@@ -1,10 +1,11 @@
 """The target side of a training record, computed from tokens: one causal forward of the target.
 
 The only place that turns token sequences into what a rollout stores per token (``rollouts.records``):
-the outputs of the drafter's target layers and the final-norm hidden state, rounded to bfloat16 as
-stored. The rollout writer runs it on the host's batches (``writer.target_features``) and online
-training runs it inside the train step (``train.online``), so both sources of one objective read
-the same numbers.
+the outputs of the drafter's target layers, rounded to bfloat16 as stored, and the final-norm hidden
+state as the target computed it (stored float32, so the whole-vocabulary normaliser a record keeps
+is of the very state training reads). The rollout writer runs it on the host's batches
+(``writer.target_features``) and online training runs it inside the train step (``train.online``),
+so both sources of one objective read the same numbers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def causal_features(model: Decoder, tokens: Int[Array, "B T"], lengths: Int[Arra
       layer_ids: static 0-based decoder layers whose outputs to concatenate (``X = m·D``).
 
     Returns:
-      ``(features [B, T, X], hidden [B, T, D])``, both bfloat16 (the stored precision).
+      ``(features [B, T, X], hidden [B, T, D])``: the features in bfloat16 (the stored precision),
+      the hidden states float32 (``records.HIDDEN_DTYPE``).
 
     Raises:
       ValueError: a layer id outside the model's layers (``Decoder.__call__``).
@@ -43,4 +45,4 @@ def causal_features(model: Decoder, tokens: Int[Array, "B T"], lengths: Int[Arra
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cache = KVCache.zeros(model.cfg, b, t, model.dtype)
     out = model(tokens, positions, prefill_mask(lengths, t, t), cache, tuple(layer_ids))
-    return out.features.astype(jnp.bfloat16), out.hidden.astype(jnp.bfloat16)
+    return out.features.astype(jnp.bfloat16), out.hidden.astype(jnp.float32)

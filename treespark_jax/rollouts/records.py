@@ -8,11 +8,14 @@ of target layer ids, ``R`` = verified rounds, ``N`` = tree budget)::
     loss_mask   bool      [T]         True exactly at response tokens
     features    bfloat16  [T, m·D]    outputs of the target layers ``layer_ids`` (manifest),
                                       concatenated in that order
-    hidden      bfloat16  [T, D]      the target's final-norm hidden state (LM-head input)
-    target_lse  float32   [T]         logsumexp of the target's logits over the whole vocabulary,
-                                      from the stored (bfloat16) ``hidden``: training with a
-                                      draft vocabulary reads ``p_t`` on its columns exactly
-    target_top  int32     [T]         argmax token of the same logits
+    hidden      float32   [T, D]      the target's final-norm hidden state (LM-head input);
+                                      bfloat16 in format version 2
+    target_lse  float32   [T]         logsumexp of the target's logits of ``hidden`` over the
+                                      whole vocabulary (for autoregressive rollouts the logits
+                                      the target drew the next token from): training with a draft
+                                      vocabulary reads ``p_t`` on its columns exactly
+    target_top  int32     [T]         argmax token of the same logits (at temperature 0 the
+                                      response token that follows)
     prompt_set  str                   the prompt's set (or JSONL file stem)
     prompt_id   str                   its id within the set
     seed        int                   the row's request seed (uint32)
@@ -30,7 +33,8 @@ of target layer ids, ``R`` = verified rounds, ``N`` = tree budget)::
     sibling_rank  int32     [R, N]       draw order among siblings (the rejection rule needs it)
     valid         bool      [R, N]       padding nodes False
     accepted      bool      [R, N]       the node was accepted (prefix-closed, valid only)
-    node_hidden   bfloat16  [R, N+1, D]  final-norm hidden state of every verify row, row 0 =
+    node_hidden   bfloat16  [R, N+1, D]  final-norm hidden state of every verify row (float32 in
+                                         trees replayed from a record's ``hidden``), row 0 =
                                          the anchor, row i+1 = node i (so p_u is exact)
     node_lse      float32   [R, N+1]     logsumexp over the whole vocabulary of the row's logits
                                          divided by the rule's temperature (``temp``, 1 for greedy
@@ -59,10 +63,14 @@ from flax import serialization
 
 from treespark_jax.config import TREE_RULES
 
-__all__ = ["FEATURE_DTYPE", "RECORD_FIELDS", "RolloutError", "STORED_KEYS", "StoredTrees", "decode_record",
-           "encode_record", "first_normalised_row", "make_record"]
+__all__ = ["FEATURE_DTYPE", "HIDDEN_DTYPE", "RECORD_FIELDS", "RolloutError", "STORED_KEYS", "StoredTrees",
+           "decode_record", "encode_record", "first_normalised_row", "make_record"]
 
 FEATURE_DTYPE = np.dtype(ml_dtypes.bfloat16)
+"""Storage dtype of ``features`` and of a logged tree's ``node_hidden``."""
+HIDDEN_DTYPE = np.dtype(np.float32)
+"""Storage dtype of ``hidden``: the state the target's logits (and ``target_lse``) are of, so
+``p_t`` read back from it is the target's own distribution."""
 RECORD_FIELDS = ("tokens", "loss_mask", "features", "hidden", "target_lse", "target_top", "prompt_set",
                  "prompt_id", "seed", "temp", "top_p", "finished")
 _TREE_INT_FIELDS = ("tokens", "parents", "depths", "sibling_rank")
@@ -71,6 +79,13 @@ STORED_KEYS = {"temperature": "temp"}  # Python name → the key records store i
 
 class RolloutError(ValueError):
     """Rollout data that is missing, damaged, inconsistent or made for another target."""
+
+
+def _node_hidden(x) -> np.ndarray:
+    """``node_hidden`` as stored: float32 as given (rows a replay copied from a record's ``hidden``,
+    whose normalisers are of those values), anything else bfloat16."""
+    x = np.asarray(x)
+    return x if x.dtype == HIDDEN_DTYPE else x.astype(FEATURE_DTYPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +111,7 @@ class StoredTrees:
         out = {"anchor_pos": np.asarray(self.anchor_pos, np.int32), "rule": str(self.rule),
                "temp": float(self.temperature), "valid": np.asarray(self.valid, bool),
                "accepted": np.asarray(self.accepted, bool),
-               "node_hidden": np.asarray(self.node_hidden).astype(FEATURE_DTYPE),
+               "node_hidden": _node_hidden(self.node_hidden),
                "node_lse": np.asarray(self.node_lse, np.float32), "node_top": np.asarray(self.node_top, np.int32)}
         out.update({f: np.asarray(getattr(self, f), np.int32) for f in _TREE_INT_FIELDS})
         return out
@@ -160,9 +175,9 @@ def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_to
       tokens: ``[T]`` prompt then response ids.
       prompt_len: prompt tokens ``P`` (``0 < P < T``); the loss mask is True at ``P..T-1``.
       features: ``[T, m·D]`` selected-layer features (any float dtype; stored bfloat16).
-      hidden: ``[T, D]`` final-norm hidden states (stored bfloat16).
-      target_lse, target_top: ``[T]`` the whole-vocabulary logsumexp and argmax of the logits of
-        the bfloat16-rounded ``hidden`` (``TargetHead.normaliser``).
+      hidden: ``[T, D]`` final-norm hidden states (stored float32).
+      target_lse, target_top: ``[T]`` the whole-vocabulary logsumexp and argmax of the target's
+        logits of ``hidden`` (``TargetHead.normaliser``).
       prompt_set, prompt_id: where the prompt comes from.
       seed, temperature, top_p: the row's generation settings.
       finished: the response ended at a stop token.
@@ -189,7 +204,7 @@ def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_to
         raise RolloutError(f"target_lse {target_lse.shape} and target_top {target_top.shape} must be [T] with T = {t} "
                            "tokens, the logsumexp finite.")
     record = {"tokens": tokens, "loss_mask": np.arange(t) >= prompt_len,
-              "features": features.astype(FEATURE_DTYPE), "hidden": hidden.astype(FEATURE_DTYPE),
+              "features": features.astype(FEATURE_DTYPE), "hidden": hidden.astype(HIDDEN_DTYPE),
               "target_lse": target_lse, "target_top": target_top,
               "prompt_set": str(prompt_set), "prompt_id": str(prompt_id), "seed": int(seed),
               "temp": float(temperature), "top_p": float(top_p), "finished": bool(finished)}

@@ -16,11 +16,13 @@ file not listed (a temporary, or a shard renamed just before a crash) is discard
 
 ``manifest.json``::
 
-    format, format_version    "treespark-rollouts", 2 (2: records carry target_lse / target_top,
-                              trees node_lse / node_top)
+    format, format_version    "treespark-rollouts", 3 (2: records carry target_lse / target_top,
+                              trees node_lse / node_top; 3: ``hidden`` is float32, and
+                              ``target_lse`` / ``target_top`` are of it; version 2 is still read)
     target                    TargetBinding fields (drafter/checkpoint.py): the target identity
     layer_ids, d_model        the features' target layers (m of them) and width D
     feature_dtype             "bfloat16"
+    hidden_dtype              "float32" (absent in version 2, where it was "bfloat16")
     identity                  what a resumed run must repeat exactly: prompt source, split,
                               split seed, eval size, chat, generation settings, drafter
     trees                     whether records carry verified trees (on-policy rollouts)
@@ -52,7 +54,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["MANIFEST", "RolloutWriter", "check_output", "read_manifest", "shard_problem"]
 
 MANIFEST = "manifest.json"
-FORMAT, FORMAT_VERSION = "treespark-rollouts", 2
+FORMAT, FORMAT_VERSION = "treespark-rollouts", 3
+READ_VERSIONS = (2, FORMAT_VERSION)  # version 2 records differ only in their hidden states' dtype
 WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access without decoding neighbours
 COMPARED = ("family", "vocab_size", "d_model", "n_layers", "weights_sha256")  # the name is not
 _SHARD_NAME = re.compile(r"\.?shard-\d{5,}\.array_record(\.tmp)?")
@@ -88,12 +91,12 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise RolloutError(f"{str(path)!r} is not readable JSON ({e}).") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("format_version") != FORMAT_VERSION:
+            or manifest.get("format_version") not in READ_VERSIONS:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
         hint = (" (version 1 rollouts lack the target's logsumexp that training reads; write them again with "
                 "`treespark rollout`)" if version == 1 else "")
-        raise RolloutError(f"{str(path)!r} is not a rollout manifest of format version {FORMAT_VERSION} "
-                           f"(found {version!r}){hint}.")
+        raise RolloutError(f"{str(path)!r} is not a rollout manifest of format version "
+                           f"{' or '.join(map(str, READ_VERSIONS))} (found {version!r}){hint}.")
     return manifest
 
 
@@ -191,6 +194,8 @@ def check_same_run(directory: str | Path, manifest: dict[str, Any], fresh: dict[
     pairs = [(f"target {f}", manifest["target"].get(f), fresh["target"][f]) for f in COMPARED if "target" in fresh]
     if "layer_ids" in fresh:
         pairs.append(("--layer-ids", _ids(manifest.get("layer_ids")), _ids(fresh["layer_ids"])))
+    if "format_version" in fresh:  # a directory holds one format: resume version 2 with the code that wrote it
+        pairs.append(("rollout format version", manifest.get("format_version"), fresh["format_version"]))
     pairs.append(("trees", manifest.get("trees"), fresh["trees"]))
     was, now = _settings(manifest.get("identity", {})), _settings(fresh["identity"])
     pairs += [(k, was.get(k), now.get(k)) for k in sorted(set(was) | set(now))]
@@ -226,7 +231,7 @@ class RolloutWriter:
         self._release = hold_lock(self.directory, "rollout directory")  # one writer until ``close``
         remove_partials(self.directory)  # a killed run's half-written manifest
         fresh = {"format": FORMAT, "format_version": FORMAT_VERSION, **header, "feature_dtype": "bfloat16",
-                 "shards": [], "next_shard": 0}
+                 "hidden_dtype": "float32", "shards": [], "next_shard": 0}
         resumed = check_output(self.directory)
         self.manifest = fresh if resumed is None else resumed
         if resumed is not None:

@@ -1,14 +1,16 @@
 """Generating rollouts: the target answers prompts, and its features are logged per token.
 
 For each batch of prompts the engine generates the responses. Autoregressive rollouts log every
-token's selected-layer features and final-norm hidden state from the generation's own forwards
-(``Engine.generate_features``); speculative (on-policy) ones log every verified tree and then take
-the features from **one** causal forward of the target over the batch of whole ``prompt +
-response`` sequences (right-padded to a power-of-two bucket, in the target's compute dtype). Both
-are stored bfloat16. The LM head over the stored hidden states gives each row's whole-vocabulary
-logsumexp and argmax (and, for on-policy rollouts, each verify row's, at the tree's temperature),
-which training with a draft vocabulary needs. One batch becomes one shard (see
-:mod:`~treespark_jax.rollouts.store`).
+token's selected-layer features and final-norm hidden state, and from the last prompt token on the
+whole-vocabulary logsumexp and argmax of the logits the generation drew each next token from
+(``Engine.generate_features``). Speculative (on-policy) ones log every verified tree and then take
+the same fields from **one** causal forward of the target over the batch of whole ``prompt +
+response`` sequences (right-padded to a power-of-two bucket, in the target's compute dtype) and
+the LM head over its hidden states (``record_arrays``). Features are stored bfloat16, hidden
+states float32, so either way the normaliser is of the very state a record stores; training with
+a draft vocabulary needs it. Each verify row of a logged tree gets its normaliser at the tree's
+temperature from its stored (bfloat16) hidden state (``tree_log``). One batch becomes one shard
+(see :mod:`~treespark_jax.rollouts.store`).
 
 Only the first user turn of each prompt is answered: MT-Bench's second turns need the model's
 own first answer and are not generated here.
@@ -150,8 +152,8 @@ def target_normalisers(head: TargetHead, hidden: np.ndarray, temperature: float 
 
     Args:
       head: the target's whole LM head.
-      hidden: ``[n, D]`` final-norm hidden states as stored (bfloat16), computed on in the head's
-        dtype ``NORMALISER_ROWS`` at a time (one compiled program per head).
+      hidden: ``[n, D]`` final-norm hidden states as stored, computed on in the head's dtype
+        ``NORMALISER_ROWS`` at a time (one compiled program per head).
       temperature: positive temperature of the logsumexp (the argmax does not depend on it).
 
     Returns:
@@ -176,7 +178,7 @@ def target_features(model: Decoder, sequences: Sequence[Sequence[int] | np.ndarr
       layer_ids: 0-based decoder layers whose outputs to concatenate (m of them).
 
     Returns:
-      Per sequence ``(features [T, m·D], hidden [T, D])``, both bfloat16 numpy arrays.
+      Per sequence ``(features [T, m·D], hidden [T, D])`` numpy arrays, bfloat16 and float32.
     """
     lens = [len(s) for s in sequences]
     b, t = buckets.batch_bucket(len(sequences)), buckets.prompt_bucket(max(lens))
@@ -201,7 +203,7 @@ def record_arrays(model: Decoder, sequences: Sequence[Sequence[int] | np.ndarray
 
 def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], prompt_lens: Sequence[int]
                        ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The ``target_lse`` and ``target_top`` fields of records from their stored hidden states.
+    """The ``target_lse`` and ``target_top`` fields of records from their hidden states.
 
     Rows before ``records.first_normalised_row`` (the last prompt position) hold 0 (lse) and -1
     (top): the LM head skips the rest of the prompt (training never reads those rows as targets).
@@ -209,7 +211,7 @@ def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], prompt_le
 
     Args:
       head: the target's whole LM head.
-      hidden: per record ``[T_i, D]`` bfloat16 final-norm hidden states.
+      hidden: per record ``[T_i, D]`` final-norm hidden states, as stored (float32).
       prompt_lens: per record, its prompt tokens (``1 ≤ prompt_lens[i] ≤ T_i``).
 
     Returns:
@@ -228,11 +230,11 @@ def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], prompt_le
 
 def tree_log(log: dict[str, np.ndarray], head: TargetHead, rule: str, temperature: float) -> StoredTrees:
     """A row's logged trees (``Session.generate_logged``) with each verify row's normaliser added."""
-    hidden = np.asarray(log["node_hidden"]).astype(FEATURE_DTYPE)  # as stored
+    hidden = np.asarray(log["node_hidden"]).astype(FEATURE_DTYPE)  # stored so, and the normaliser is of it
     lse, top = target_normalisers(head, hidden.reshape(-1, hidden.shape[-1]),
                                   float(tree_temperature(rule, temperature)))
-    return StoredTrees(**log, node_lse=lse.reshape(hidden.shape[:2]), node_top=top.reshape(hidden.shape[:2]), rule=rule,
-                   temperature=temperature)
+    return StoredTrees(**{**log, "node_hidden": hidden}, node_lse=lse.reshape(hidden.shape[:2]),
+                       node_top=top.reshape(hidden.shape[:2]), rule=rule, temperature=temperature)
 
 
 def on_policy_generation(session, head: TargetHead, prompts: Sequence[Sequence[int]], settings: RolloutSettings,
@@ -388,23 +390,22 @@ def write_rollouts(target, prompts: Sequence[PromptRecord], out, *, settings: Ro
                 ids = [tokenized[p.id] for p in batch]
                 seeds = [prompt_seed(settings.seed, p.set, p.id) for p in batch]
                 t0 = time.perf_counter()
-                if spec is None:  # the features come from the generation's own forwards
-                    outs, feats = engine.generate_features(ids, settings.max_new_tokens, layer_ids,
-                                                           settings.temperature, settings.top_p, seeds)
+                if spec is None:  # every array field comes from the generation's own forwards
+                    outs, arrays = engine.generate_features(ids, settings.max_new_tokens, layer_ids,
+                                                            settings.temperature, settings.top_p, seeds)
                     trees = [None] * len(batch)
                 else:
                     outs, trees, _ = on_policy_generation(session, head, ids, settings, seeds)
-                    feats = None
+                    arrays = None
                 t1 = time.perf_counter()
-                if feats is None:  # a second pass: the speculative loop does not log every row's features
-                    feats = target_features(target.model, [p + o for p, o in zip(ids, outs)], layer_ids)
-                norms = record_normalisers(head, [h for _, h in feats], [len(p) for p in ids])
+                if arrays is None:  # a second pass: the speculative loop does not log every row's features
+                    arrays = record_arrays(target.model, [p + o for p, o in zip(ids, outs)], [len(p) for p in ids],
+                                           layer_ids)
                 t2 = time.perf_counter()
-                records = [make_record(p + o, len(p), f, h, lse, top, prompt_set=rec.set, prompt_id=rec.id, seed=s,
+                records = [make_record(p + o, len(p), *fields, prompt_set=rec.set, prompt_id=rec.id, seed=s,
                                        temperature=settings.temperature, top_p=settings.top_p,
                                        finished=bool(o) and o[-1] in stop_ids, trees=tree)
-                           for rec, p, o, (f, h), (lse, top), s, tree in zip(batch, ids, outs, feats, norms, seeds,
-                                                                             trees)]
+                           for rec, p, o, fields, s, tree in zip(batch, ids, outs, arrays, seeds, trees)]
                 entry = writer.write_shard(records)
                 t3 = time.perf_counter()
                 run.generate_s, run.features_s, run.write_s = (run.generate_s + t1 - t0, run.features_s + t2 - t1,

@@ -7,9 +7,9 @@ tokens, loss masks, anchors as the offline batch of the same step, ``data.train_
 uses (``rollouts.features.causal_features`` and ``TargetHead.normaliser``), then the step is the
 offline one (``step.TrainStep.update``). What equals what:
 
-* features and final-norm hidden states are rounded to bfloat16, as stored, then read as float32,
-  as ``batches.batch_from_records`` reads them; the logsumexp and argmax come from the rounded
-  hidden state, as the writer computes them;
+* features are rounded to bfloat16, as stored, then read as float32, as
+  ``batches.batch_from_records`` reads them; the final-norm hidden states stay float32, as stored,
+  and the logsumexp and argmax are of their logits, as the writer's;
 * rows at or after a row's length are zero, and rows before the last prompt token hold
   ``target_lse = 0`` and ``target_top = -1``, as in a record (no loss reads them). The last prompt
   token is found from the loss mask, so a row whose prompt is longer than ``T`` (no response
@@ -56,8 +56,8 @@ def target_batch(target: Decoder, head: TargetHead, batch: TokenBatch, layer_ids
       layer_ids: static 0-based target layers of the drafter's context features (``m`` of them).
 
     Returns:
-      ``TrainBatch`` with ``features [B, T, m·D]`` and ``hidden [B, T, D]`` float32 (bfloat16
-      values), ``target_lse [B, T]`` float32 and ``target_top [B, T]`` int32.
+      ``TrainBatch`` with ``features [B, T, m·D]`` float32 (bfloat16 values), ``hidden [B, T, D]``
+      float32, ``target_lse [B, T]`` float32 and ``target_top [B, T]`` int32.
     """
     batch = jax.tree.map(jnp.asarray, batch)
     features, hidden = causal_features(target, batch.tokens, batch.lengths, layer_ids)

@@ -52,7 +52,7 @@ from treespark_jax.config import TreeConfig
 from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.rollouts.reader import RolloutSet, open_rollouts
-from treespark_jax.rollouts.records import FEATURE_DTYPE, STORED_KEYS, StoredTrees, make_record
+from treespark_jax.rollouts.records import STORED_KEYS, StoredTrees, make_record
 from treespark_jax.rollouts.store import RolloutWriter
 from treespark_jax.rollouts.writer import RolloutRun
 from treespark_jax.train.evaluate import anchor_trees, gold_path_nodes
@@ -161,7 +161,7 @@ def _record_trees(record, start: int, k: np.ndarray, tree, accepted, zero_lse: f
     hidden, lse, top = (np.asarray(record[f]) for f in ("hidden", "target_lse", "target_top"))
     r, n = acc.shape
     rows = anchor_pos[:, None] + np.asarray(tree.depths)[k]  # [R, N] the position a node would commit
-    node_hidden = np.zeros((r, n + 1, hidden.shape[1]), FEATURE_DTYPE)
+    node_hidden = np.zeros((r, n + 1, hidden.shape[1]), hidden.dtype)  # the record's: its normalisers are of it
     node_lse = np.full((r, n + 1), zero_lse, np.float32)
     node_top = np.full((r, n + 1), zero_top, np.int32)
     for out, src in ((node_hidden, hidden), (node_lse, lse), (node_top, top)):
