@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from treespark_jax.drafter.model import logits_normaliser
 from treespark_jax.models.decoder import DecoderOutput
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Float, Int, UInt
@@ -44,12 +45,6 @@ def _bits(x: Float[Array, "..."]) -> UInt[Array, "..."]:
 def _hidden(x: Float[Array, "..."]) -> Float[Array, "..."]:
     """Final-norm hidden states in their stored dtype (float32, ``records.HIDDEN_DTYPE``)."""
     return x.astype(jnp.float32)
-
-
-def _normalisers(logits: Float[Array, "B V"]) -> tuple[Float[Array, "B"], Int[Array, "B"]]:
-    """Whole-vocabulary logsumexp (float32) and argmax (int32) of each row's logits."""
-    logits = logits.astype(jnp.float32)
-    return jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 @pytree_dataclass
@@ -79,7 +74,7 @@ class FeatureLog:
         Args:
           output: the prefill's decoder output, run with the logged layer ids.
           last_logits: ``[B, V]`` the prefill's logits at each row's last prompt position
-            (``prefill.last_logits``): that row's normaliser.
+            (``prefill.prefill``'s): that row's normaliser.
           prompt_lens: ``[B]`` int32 prompt tokens per row.
           capacity: positions the log holds.
 
@@ -92,7 +87,7 @@ class FeatureLog:
         pad = ((0, 0), (0, capacity - output.hidden.shape[1]), (0, 0))
         log = cls(features=jnp.pad(_bits(output.features), pad), hidden=jnp.pad(_hidden(output.hidden), pad),
                   lse=jnp.zeros((b, capacity), jnp.float32), top=jnp.full((b, capacity), -1, jnp.int32))
-        lse, top = _normalisers(last_logits)
+        lse, top = logits_normaliser(last_logits)
         rows, last = jnp.arange(b), prompt_lens - 1
         return log.replace(lse=log.lse.at[rows, last].set(lse), top=log.top.at[rows, last].set(top))
 
@@ -109,7 +104,7 @@ class FeatureLog:
         """Writes one step's row (``output`` of ``T = 1`` token per row, ``logits`` its LM-head
         output) at ``positions``."""
         rows = jnp.arange(positions.shape[0])
-        lse, top = _normalisers(logits)
+        lse, top = logits_normaliser(logits)
         return FeatureLog(
             features=self.features.at[rows, positions].set(_bits(output.features[:, 0]), mode="drop"),
             hidden=self.hidden.at[rows, positions].set(_hidden(output.hidden[:, 0]), mode="drop"),

@@ -19,7 +19,7 @@ from treespark_jax.decode import programs
 from treespark_jax.decode.ar import ar_loop, logged_ar_loop
 from treespark_jax.decode.feature_log import FeatureLog
 from treespark_jax.decode.plan import RoundPlan
-from treespark_jax.decode.prefill import last_logits, prefill
+from treespark_jax.decode.prefill import prefill
 from treespark_jax.decode.programs import Program
 from treespark_jax.decode.skip import SkipState
 from treespark_jax.decode.speculative import SpecState, SpecStats, spec_loop
@@ -36,7 +36,7 @@ def _pin(layout: Partitioner | None, tree):
 def _prefill(graphdef, weights, tokens, prompt_lens, active, requests, *, capacity, out_size, greedy,
              layout=None) -> GenState:
     model = nnx.merge(graphdef, weights)
-    state, _ = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
+    state, _, _ = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
                        out_size=out_size, greedy=greedy)
     return _pin(layout, state)
 
@@ -49,10 +49,9 @@ def _ar(graphdef, weights, state, requests, stop_after, *, greedy, layout=None) 
 def _logged_ar(graphdef, weights, tokens, prompt_lens, active, requests, *, capacity, out_size, greedy, layer_ids,
                layout=None) -> tuple[GenState, FeatureLog]:
     model = nnx.merge(graphdef, weights)
-    state, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity, out_size=out_size,
-                         greedy=greedy, layer_ids=layer_ids)
-    log = FeatureLog.of_prefill(out, last_logits(model, out, prompt_lens), prompt_lens, capacity)
-    carry = _pin(layout, (state, log))
+    state, out, logits = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
+                                 out_size=out_size, greedy=greedy, layer_ids=layer_ids)
+    carry = _pin(layout, (state, FeatureLog.of_prefill(out, logits, prompt_lens, capacity)))
     return logged_ar_loop(model, *carry, requests, greedy, layer_ids,
                           constrain=None if layout is None else layout.constrain,
                           compact=layout is None or layout.axis_size("data") == 1)
@@ -61,7 +60,7 @@ def _logged_ar(graphdef, weights, tokens, prompt_lens, active, requests, *, capa
 def _spec_prefill(graphdef, weights, tokens, prompt_lens, active, requests, proposer_weights,
                   *, proposer, plan: RoundPlan, capacity, out_size, layout=None) -> SpecState:
     model = nnx.merge(graphdef, weights)
-    gen, out = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
+    gen, out, _ = prefill(model, tokens, prompt_lens, active, requests, capacity=capacity,
                        out_size=out_size, greedy=plan.greedy, layer_ids=proposer.layer_ids)
     pstate = proposer.init(proposer_weights, tokens, prompt_lens, gen.anchor, out.features, capacity)
     b = tokens.shape[0]

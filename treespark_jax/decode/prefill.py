@@ -22,16 +22,9 @@ def prefill_mask(prompt_lens: Int[Array, "B"], length: int, capacity: int) -> Bo
     return (s <= t) & (s < prompt_lens[:, None, None])
 
 
-def last_logits(model: Decoder, output: DecoderOutput, prompt_lens: Int[Array, "B"]) -> Float[Array, "B V"]:
-    """The LM-head logits at each row's last prompt position of a prefill's ``output`` (the
-    distribution of its first emitted token)."""
-    last = jnp.take_along_axis(output.hidden, (prompt_lens - 1)[:, None, None], axis=1)
-    return model.logits(last)[:, 0]
-
-
 def prefill(model: Decoder, tokens: Int[Array, "B T"], prompt_lens: Int[Array, "B"],
             active: Bool[Array, "B"], requests: Requests, *, capacity: int, out_size: int,
-            greedy: bool, layer_ids: tuple[int, ...] = ()) -> tuple[GenState, DecoderOutput]:
+            greedy: bool, layer_ids: tuple[int, ...] = ()) -> tuple[GenState, DecoderOutput, Float[Array, "B V"]]:
     """Fills a fresh KV cache with the prompts and emits each row's first token.
 
     Args:
@@ -46,14 +39,16 @@ def prefill(model: Decoder, tokens: Int[Array, "B T"], prompt_lens: Int[Array, "
       layer_ids: static target layers whose features to return (for a drafter's context).
 
     Returns:
-      ``(state, output)``: the generation state after one emitted token, and the prefill's
-      decoder output (hidden states and features of every prompt row).
+      ``(state, output, logits)``: the generation state after one emitted token, the prefill's
+      decoder output (hidden states and features of every prompt row) and the ``[B, V]`` logits at
+      each row's last prompt position, which its first token was drawn from.
     """
     b, t = tokens.shape
     cache = KVCache.zeros(model.cfg, b, capacity, model.dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     output = model(tokens, positions, prefill_mask(prompt_lens, t, capacity), cache, layer_ids)
-    logits = last_logits(model, output, prompt_lens)
+    last = jnp.take_along_axis(output.hidden, (prompt_lens - 1)[:, None, None], axis=1)
+    logits = model.logits(last)[:, 0]
     zeros = jnp.zeros((b,), jnp.int32)
     first = sample_token(row_keys(requests, STREAM_TARGET_SAMPLE, zeros), logits,
                          requests.temperature, requests.top_p, greedy)
@@ -62,4 +57,4 @@ def prefill(model: Decoder, tokens: Int[Array, "B T"], prompt_lens: Int[Array, "
         anchor=first, out=jnp.zeros((b, out_size), jnp.int32), n_out=zeros,
         done=~active, steps=jnp.zeros((), jnp.int32))
     state, _ = append_tokens(state, first[:, None], jnp.ones((b,), jnp.int32), requests)
-    return state, output
+    return state, output, logits

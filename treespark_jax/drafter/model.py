@@ -119,9 +119,16 @@ class TargetHead:
         Returns:
           ``lse [...]`` float32 and ``top [...]`` int32 (a token id for the whole head).
         """
-        logits = self.logits(hidden).astype(jnp.float32)
-        temperature = jnp.asarray(temperature, jnp.float32)[..., None]
-        return jax.nn.logsumexp(logits / temperature, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return logits_normaliser(self.logits(hidden), temperature)
+
+
+def logits_normaliser(logits: Float[Array, "... V"], temperature: Float[Array, "..."] | float = 1.0
+                      ) -> tuple[Float[Array, "..."], Int[Array, "..."]]:
+    """``(logsumexp(logits / temperature), argmax logits)`` over the last axis, float32 and int32:
+    the ``target_lse`` / ``target_top`` a rollout stores (``rollouts.records``)."""
+    logits = logits.astype(jnp.float32)
+    temperature = jnp.asarray(temperature, jnp.float32)[..., None]
+    return jax.nn.logsumexp(logits / temperature, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 class DraftVocab(nnx.Variable):
