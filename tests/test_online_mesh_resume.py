@@ -38,5 +38,11 @@ def test_an_online_run_resumes_on_another_mesh(tmp_path, tiny_dir, rollouts):  #
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
     binding = TargetBinding(**json.loads((full / "run.json").read_text())["target"])
     pa, pb = _params(full / "drafter", binding), _params(parts / "drafter", binding)
+    # Adam moves an element by about the learning rate whatever its gradient's scale, so an element whose
+    # gradient is at float32 noise may differ by a fraction of a step after the sharded sums (CI saw one of
+    # 8,288 at 7e-5, 2 % of a step); every other element must agree closely.
+    lr = float(TRAIN_ARGS[TRAIN_ARGS.index("--lr") + 1])
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+        x, y = np.asarray(x), np.asarray(y)
+        assert np.mean(~np.isclose(x, y, rtol=1e-4, atol=1e-5)) <= 1e-3
+        assert np.abs(x - y).max() <= 0.1 * lr
