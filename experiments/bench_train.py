@@ -8,8 +8,11 @@ device, run side by side in one process on the same batch:
   over all ``V`` columns (``draft_head=None``) — the step before draft-vocabulary training, with
   today's code otherwise (commit e910eea's own step, run by its own ``bench_train.py`` from a
   worktree, is slower still: docs/training.md);
-- ``draft vocabulary K``: both heads over the ``K`` columns inference drafts from, the target
-  normalised by the logsumexp the rollout stores (``train/objective.py``).
+- ``draft vocabulary K, p_t by head``: both heads over the ``K`` columns inference drafts from,
+  the target normalised by the logsumexp the rollout stores (``train/objective.py``; records
+  written before the top-``k`` was stored train so);
+- ``draft vocabulary K``: the drafter's head over the ``K`` columns, ``p_t`` read from the top-``k``
+  the rollout stores, no target head (``losses.target``).
 
 With ``--online`` the variants are instead the offline step on stored features against the
 online step (``train/online.py``: the frozen target's forward over the batch, then the same
@@ -146,11 +149,13 @@ def main() -> None:
     else:
         step = train_step.jitted()
         variants = {}
-        for name, draft_head in {"whole vocabulary": None,
-                                 f"draft vocabulary {args.draft_vocab}": head.restricted(np.arange(args.draft_vocab))
-                                 }.items():
-            compiled = step.lower(state0, head, batch, draft_head).compile()
-            variants[name] = ([compiled], lambda st, c=compiled, d=draft_head: c(st, head, batch, d), 0, None)
+        draft_head = head.restricted(np.arange(args.draft_vocab))
+        by_head = batch.replace(target_top_ids=None, target_top_logp=None)  # a record without the top-k
+        for name, (d, b) in {"whole vocabulary": (None, batch),
+                             f"draft vocabulary {args.draft_vocab}, p_t by head": (draft_head, by_head),
+                             f"draft vocabulary {args.draft_vocab}": (draft_head, batch)}.items():
+            compiled = step.lower(state0, head, b, d).compile()
+            variants[name] = ([compiled], lambda st, c=compiled, d=d, b=b: c(st, head, b, d), 0, None)
     del target
     runs = {}
     for name, (programs, run_step, between, storage) in variants.items():
@@ -183,11 +188,11 @@ def main() -> None:
     print(f"{args.preset} {args.loss} drafter, batch {args.batch_size} × {args.seq_len} tokens, "
           f"{args.anchors} anchors × γ {drafter.cfg.block_size}, on {jax.devices()[0].device_kind}; {args.steps} interleaved steps each, "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s ({args.matmul}²)")
-    print(f"{'variant':<26} {'step ms':>8} {'IQR':>5} {'GFLOP':>7} {'GFLOP/s':>8} {'peak':>5} {'tokens/s':>9} "
+    print(f"{'variant':<36} {'step ms':>8} {'IQR':>5} {'GFLOP':>7} {'GFLOP/s':>8} {'peak':>5} {'tokens/s':>9} "
           f"{'speedup':>8} {'memory MB':>10} {'stored B/token':>15}")
     for r in rows:
         stored = "-" if r["storage_bytes_per_token"] is None else f"{r['storage_bytes_per_token']:.0f}"
-        print(f"{r['variant']:<26} {1e3 * r['step_s']:8.0f} {1e3 * r['step_s_iqr']:5.0f} {r['step_gflop']:7.1f} "
+        print(f"{r['variant']:<36} {1e3 * r['step_s']:8.0f} {1e3 * r['step_s_iqr']:5.0f} {r['step_gflop']:7.1f} "
               f"{r['achieved_gflop_per_s']:8.1f} {100 * r['fraction_of_peak']:4.0f}% {r['sequence_tokens_per_s']:9.0f} "
               f"{r['speedup']:7.2f}× {r['peak_memory_mb']:10.0f} {stored:>15}")
     out = {"preset": args.preset, "loss": args.loss, "batch": args.batch_size, "seq_len": args.seq_len,

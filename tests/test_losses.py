@@ -12,6 +12,7 @@ import pytest
 from treespark_jax.config import LOSSES
 from treespark_jax.losses import chain as chain_losses, tree as tree_losses
 from treespark_jax.losses.chain import LossConfig, chain_acceptance, default_decay, expected_chain_tau, markov_logits
+from treespark_jax.losses.target import TargetDist
 from treespark_jax.losses.tree import LoggedTrees, coverage_threshold, tree_child_logits, tree_edge_logits, treespark
 from treespark_jax.tree.arrays import DraftTree
 
@@ -23,6 +24,7 @@ dflash = jax.jit(chain_losses.dflash, static_argnames=("cfg",))
 dspark = jax.jit(chain_losses.dspark, static_argnames=("cfg",))
 verify_targets = jax.jit(tree_losses.verify_targets, static_argnames=("rule", "branch"))
 tree_terms = jax.jit(tree_losses.tree_terms, static_argnames=("rule", "cfg", "branch"))
+TD = TargetDist.of_logits
 markov_logits, tree_child_logits, tree_edge_logits, chain_acceptance, expected_chain_tau = map(
     jax.jit, (markov_logits, tree_child_logits, tree_edge_logits, chain_acceptance, expected_chain_tau))
 coverage_threshold = jax.jit(coverage_threshold, static_argnames=("max_children",))
@@ -111,25 +113,25 @@ def test_dspark_perfect_drafter_has_zero_l1_and_confidence_target_one():
     labels = jnp.asarray(np.argmax(target, -1))
     mask = jnp.ones((2, 4), bool)
     conf = jnp.zeros((2, 4))
-    total, terms = dspark(target, target, labels, mask, conf)
+    total, terms = dspark(target, TD(target), labels, mask, conf)
     assert set(terms) == {"ce", "l1", "bce"}
     assert float(terms["l1"]) < 1e-12
-    np.testing.assert_allclose(chain_acceptance(target, target), 1.0, atol=1e-12)
+    np.testing.assert_allclose(chain_acceptance(target, TD(target)), 1.0, atol=1e-12)
     # BCE target is sg(alpha) = 1: gradient pushes c up, and none of it reaches q or the target.
-    g_conf = grad(lambda c: dspark(target, target, labels, mask, c)[1]["bce"])(conf)
+    g_conf = grad(lambda c: dspark(target, TD(target), labels, mask, c)[1]["bce"])(conf)
     assert bool(jnp.all(g_conf < 0))
     q = target + normal(*target.shape)
-    g_q = grad(lambda x: dspark(x, target, labels, mask, conf)[1]["bce"])(q)
+    g_q = grad(lambda x: dspark(x, TD(target), labels, mask, conf)[1]["bce"])(q)
     assert float(jnp.abs(g_q).max()) == 0.0
-    g_t = grad(lambda t: dspark(q, t, labels, mask, conf)[0])(target)
+    g_t = grad(lambda t: dspark(q, TD(t), labels, mask, conf)[0])(target)
     assert float(jnp.abs(g_t).max()) == 0.0
-    total, terms = dspark(q, target, labels, mask, conf)
+    total, terms = dspark(q, TD(target), labels, mask, conf)
     assert 0 < float(terms["l1"]) <= 2 and all(bool(jnp.isfinite(v)) for v in terms.values())
     cfg = LossConfig()
     np.testing.assert_allclose(total, cfg.chain_ce * terms["ce"] + cfg.chain_l1 * terms["l1"] + terms["bce"])
-    g = grad(lambda x: dspark(x, target, labels, mask, conf)[1]["l1"])(q)
+    g = grad(lambda x: dspark(x, TD(target), labels, mask, conf)[1]["l1"])(q)
     assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
-    assert "bce" not in dspark(q, target, labels, mask)[1]  # no confidence head, no term
+    assert "bce" not in dspark(q, TD(target), labels, mask)[1]  # no confidence head, no term
 
 
 def test_the_kl_term_pulls_a_column_the_drafter_gives_no_mass():
@@ -141,7 +143,7 @@ def test_the_kl_term_pulls_a_column_the_drafter_gives_no_mass():
     lse = jax.scipy.special.logsumexp(jnp.concatenate([target, normal(2, 4, 3)], -1), -1)  # a tail outside the columns
     lse = jnp.where(mask, lse, jnp.inf)  # masked rows: no normaliser (p = 0)
     cfg = LossConfig(chain_kl=2.0)
-    total, terms = dspark(q, target, labels, mask, cfg=cfg, target_lse=lse)
+    total, terms = dspark(q, TD(target, lse), labels, mask, cfg=cfg)
     log_p, log_q = np.asarray(target - lse[..., None]), np.asarray(jax.nn.log_softmax(q, -1))
     p = np.exp(log_p)
     kl = np.sum(p * (np.where(mask[..., None], log_p, 0) - log_q), -1)  # p = 0 on masked rows
@@ -149,9 +151,9 @@ def test_the_kl_term_pulls_a_column_the_drafter_gives_no_mass():
     np.testing.assert_allclose(terms["kl"], np.sum(w * np.where(mask, kl, 0)) / np.sum(w), rtol=1e-6)
     np.testing.assert_allclose(total, cfg.chain_ce * terms["ce"] + cfg.chain_l1 * terms["l1"] + 2.0 * terms["kl"],
                                rtol=1e-6)
-    assert "kl" not in dspark(q, target, labels, mask, target_lse=lse)[1]  # weight 0: no term
-    g_kl = np.asarray(grad(lambda x: dspark(x, target, labels, mask, cfg=cfg, target_lse=lse)[1]["kl"])(q))
-    g_l1 = np.asarray(grad(lambda x: dspark(x, target, labels, mask, cfg=cfg, target_lse=lse)[1]["l1"])(q))
+    assert "kl" not in dspark(q, TD(target, lse), labels, mask)[1]  # weight 0: no term
+    g_kl = np.asarray(grad(lambda x: dspark(x, TD(target, lse), labels, mask, cfg=cfg)[1]["kl"])(q))
+    g_l1 = np.asarray(grad(lambda x: dspark(x, TD(target, lse), labels, mask, cfg=cfg)[1]["l1"])(q))
     assert np.all(np.isfinite(g_kl)) and np.all(g_kl[1, 2:] == 0)  # masked rows give no gradient
     np.testing.assert_allclose(g_kl[..., 5] * np.sum(w), -(w * p[..., 5]), rtol=1e-4, atol=1e-12)
     assert np.abs(g_l1[..., 5]).max() < 1e-9 < np.abs(g_kl[0, :, 5]).min()
@@ -294,8 +296,8 @@ def test_treespark_sums_chain_and_tree_and_jits():
     q = target + normal(2, 3, 4)
     labels, mask = jnp.asarray(np.argmax(target, -1)), jnp.asarray(np.ones((2, 3), bool))
     fn = jax.jit(functools.partial(treespark, rule="rejection"))
-    total, terms = fn(q, target, labels, mask, child, jnp.zeros((1, 4)), logged)
-    chain, _ = dspark(q, target, labels, mask)
+    total, terms = fn(q, TD(target), labels, mask, child, jnp.zeros((1, 4)), logged)
+    chain, _ = dspark(q, TD(target), labels, mask)
     tree, _ = tree_terms(child, jnp.zeros((1, 4)), logged, "rejection")
     np.testing.assert_allclose(total, chain + tree, rtol=1e-10)
     assert set(terms) == {"ce", "l1", "tree_tv", "tree_ce", "tree_coverage", "tree_edge"}
@@ -335,13 +337,13 @@ def test_draft_vocabulary_columns_give_the_distances_of_a_drafter_with_no_mass_o
     labels = jnp.asarray(RNG.integers(0, v, (2, 4)))
     mask = jnp.ones((2, 4), bool)
     lse = jax.nn.logsumexp(target, axis=-1)
-    full = dspark(q_full, target, labels, mask & inside[labels])[1]
-    part = dspark(q[..., ids], target[..., ids], jnp.asarray(cols)[labels], mask, target_lse=lse)[1]
+    full = dspark(q_full, TD(target), labels, mask & inside[labels])[1]
+    part = dspark(q[..., ids], TD(target[..., ids], lse), jnp.asarray(cols)[labels], mask)[1]
     assert 0 < int(np.sum(inside[np.asarray(labels)])) < 8  # labels on both sides of the boundary
     np.testing.assert_allclose(part["ce"], full["ce"], rtol=1e-10)
-    np.testing.assert_allclose(dspark(q_full, target, labels, mask)[1]["l1"], part["l1"], rtol=1e-10)
-    np.testing.assert_allclose(chain_acceptance(q[..., ids], target[..., ids], lse),
-                               chain_acceptance(q_full, target), rtol=1e-10)
+    np.testing.assert_allclose(dspark(q_full, TD(target), labels, mask)[1]["l1"], part["l1"], rtol=1e-10)
+    np.testing.assert_allclose(chain_acceptance(q[..., ids], TD(target[..., ids], lse)),
+                               chain_acceptance(q_full, TD(target)), rtol=1e-10)
     child_full = jnp.where(inside, normal(1, 5, v, scale=2.0), -1e9)
     node_target = normal(1, 5, v, scale=2.0)
     for rule, temperature in (("match", 0.7), ("rejection", 0.7), ("greedy", 0.0)):
@@ -373,3 +375,32 @@ def test_markov_term_gradient_equals_autodiff_of_its_formula():
     for a, b in zip(mine, plain):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert np.abs(np.asarray(mine[1])[4]).sum() > 0 and np.all(np.asarray(mine[1])[[1, 3, 5]] == 0)
+
+
+def test_a_top_k_target_gives_the_coarsened_distances_within_their_bound():
+    """``TargetDist.of_top``: the L1 and KL of the pair coarsened to {listed tokens, rest} are lower
+    bounds of the dense ones, the L1 within ``2·min(Q, R)``; a top-k over every column is exact, also
+    in its gradient; a listed token no column holds counts wholly, as in the dense tail."""
+    c, v = 12, 16  # columns 0..11 hold tokens 0..11; tokens 12..15 have no column
+    logits = normal(3, 5, v, scale=2.0)
+    lse = jax.nn.logsumexp(logits, -1)
+    dense = TargetDist.of_logits(logits[..., :c], lse)
+    log_q = jax.nn.log_softmax(normal(3, 5, c, scale=2.0), -1)
+    exact_l1, exact_kl = np.asarray(dense.l1(log_q)), np.asarray(dense.forward_kl(log_q))
+    for k in (3, 6, v):
+        values, ids = jax.lax.top_k(logits, k)
+        top = TargetDist.of_top(jnp.minimum(ids, c), values - lse[..., None])  # column c: not held
+        l1, kl = np.asarray(top.l1(log_q)), np.asarray(top.forward_kl(log_q))
+        listed = np.zeros((3, 5, c + 1), bool)
+        np.put_along_axis(listed, np.minimum(np.asarray(ids), c), True, axis=-1)
+        big_q = np.sum(np.where(listed[..., :c], 0, np.exp(np.asarray(log_q))), -1)
+        assert np.all(l1 <= exact_l1 + 1e-6) and np.all(exact_l1 <= l1 + 2 * np.minimum(big_q, top.rest) + 1e-6)
+        assert np.all(kl <= exact_kl + 1e-5)
+        if k < v:
+            assert np.all(l1 < exact_l1 - 1e-7)  # a real approximation at this k
+    np.testing.assert_allclose(l1, exact_l1, rtol=1e-5)  # k = V: every token listed
+    np.testing.assert_allclose(kl, exact_kl, rtol=1e-5, atol=1e-6)
+    grad_top = jax.grad(lambda x: jnp.sum(top.l1(x) + top.forward_kl(x)))(log_q)
+    grad_dense = jax.grad(lambda x: jnp.sum(dense.l1(x) + dense.forward_kl(x)))(log_q)
+    np.testing.assert_allclose(grad_top, grad_dense, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(top.column_mass(4, c), dense.column_mass(4, c), rtol=1e-5)

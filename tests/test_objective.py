@@ -14,7 +14,7 @@ from treespark_jax.decode.engine import Engine
 from treespark_jax.drafter.block_proposer import BlockProposer
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.methods import drafter_config, speculation
-from treespark_jax.rollouts.records import make_record
+from treespark_jax.rollouts.records import TOP_FIELDS, make_record
 from treespark_jax.rollouts.writer import record_arrays, tree_log
 from treespark_jax.train.batches import batch_from_records
 from treespark_jax.train.evaluate import evaluate_drafter
@@ -173,14 +173,19 @@ def test_gold_prefix_in_tree_follows_parents():
                                    gold, jnp.ones((1, 4), bool))[0]) == 1
 
 
+@pytest.mark.parametrize("stored_top", [True, False], ids=["top-k", "head"])
 @pytest.mark.parametrize("loss", ["dflash", "dspark", "treespark"])
-def test_a_draft_vocabulary_of_every_token_trains_like_the_whole_vocabulary(target, loss):
+def test_a_draft_vocabulary_of_every_token_trains_like_the_whole_vocabulary(target, loss, stored_top):
     """A draft head over all V tokens in another order reads the target through the rollouts'
-    stored logsumexp and argmax, maps labels, tree nodes, Markov and edge terms to its columns,
-    and must give the whole vocabulary's loss, metrics and gradients."""
+    stored top-k (here all V tokens: k = 64 = V), or without it through the head and the stored
+    logsumexp, maps labels, tree nodes, Markov and edge terms to its columns, and must give the
+    whole vocabulary's loss, metrics and gradients."""
     drafter = make_drafter(target, loss)
     trees = loss == "treespark"
     records = rollouts(target, n=3, trees_from=drafter if trees else None)
+    assert records[0]["target_top_ids"].shape[1] == target.cfg.vocab_size
+    if not stored_top:  # a record written before the top-k was stored
+        records = [{k: v for k, v in r.items() if k not in TOP_FIELDS} for r in records]
     batch = batch_from_records(records, seq_len=32, n_anchors=4, n_trees=3 if trees else 0,
                                rng=np.random.default_rng(4))
     head = TargetHead.of(target, jnp.float32)
@@ -231,12 +236,19 @@ def test_context_slots_give_the_whole_vocabulary_values_at_their_tokens(target):
     assert cut.base.shape[-1] == 30 and np.any(slots >= 0)
     tokens = np.concatenate([np.broadcast_to(static, (len(slots), 24)), slots], axis=1)  # [blocks, C]
     held = tokens >= 0
-    for name in ("base", "q", "target_logits"):
+    for name in ("base", "q"):
         want = np.take_along_axis(np.asarray(getattr(whole, name)), np.maximum(tokens, 0)[:, None, :], axis=2)
         got = np.asarray(getattr(cut, name))
         np.testing.assert_allclose(np.where(held[:, None], got, 0), np.where(held[:, None], want, 0), rtol=1e-5,
                                    atol=1e-5, err_msg=name)
         assert np.all(got[np.broadcast_to(~held[:, None], got.shape)] <= -1e8)
+    # p_t read from the stored top-k (every token: k = V) lands on the column holding each token
+    assert whole.target.columns is None and cut.target.columns is not None
+    got = np.full(cut.base.shape[:2] + (31,), -np.inf, np.float32)
+    np.put_along_axis(got, np.asarray(cut.target.columns), np.asarray(cut.target.log_p), axis=2)
+    want = np.take_along_axis(np.asarray(whole.target.log_p), np.maximum(tokens, 0)[:, None, :], axis=2)
+    mask = np.asarray(whole.mask)[..., None] & held[:, None]
+    np.testing.assert_allclose(np.where(mask, got[..., :30], 0), np.where(mask, want, 0), rtol=1e-5, atol=1e-5)
     gold, labels = np.asarray(whole.labels), np.asarray(cut.labels)
     in_cols = labels < 30
     assert np.all(np.take_along_axis(tokens, np.minimum(labels, 29), axis=1)[in_cols] == gold[in_cols])
@@ -263,7 +275,7 @@ def test_the_evaluator_counts_the_mass_and_the_labels_of_the_context_slots(targe
                      cut_head)
     mask, slots, gold = np.asarray(whole.mask), np.asarray(cut.slots), np.asarray(whole.gold)
     q = np.asarray(jax.nn.softmax(cut.q, -1))
-    p = np.asarray(jax.nn.softmax(whole.target_logits, -1))  # [blocks, P, V]
+    p = np.exp(np.asarray(whole.target.log_p))  # [blocks, P, V]
     held = slots >= 0
     target_mass = np.sum(np.where(held[:, None], np.take_along_axis(p, np.maximum(slots, 0)[:, None, :], 2), 0), -1)
     in_slots = mask & np.any((gold[..., None] == slots[:, None, :]) & held[:, None], -1)

@@ -29,14 +29,15 @@ from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.feature_log import row_features
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.checkpoint import TargetBinding, save_drafter
-from treespark_jax.drafter.model import BlockDrafter
+from treespark_jax.drafter.model import TARGET_TOP_K, BlockDrafter
 from treespark_jax.methods import drafter_config, speculation
 from treespark_jax.models.kv_cache import KVCache
 from treespark_jax.models.load import load_target
 from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.load import load_prompts
 from treespark_jax.rollouts.reader import open_rollouts
-from treespark_jax.rollouts.records import RolloutError, StoredTrees, decode_record, encode_record, make_record
+from treespark_jax.rollouts.records import (TOP_FIELDS, RolloutError, StoredTrees, decode_record, encode_record,
+                                           make_record)
 from treespark_jax.rollouts.store import MANIFEST, RolloutWriter
 from treespark_jax.rollouts.writer import RolloutSettings, write_rollouts
 
@@ -125,14 +126,23 @@ def _reference(model, layer_ids, length: int = 128):
     return run
 
 
-def _check_normalisers(model, hidden: np.ndarray, lse: np.ndarray, top: np.ndarray, prompt_len: int) -> None:
-    """``lse`` and ``top`` are the logsumexp and argmax of ``model``'s logits of ``hidden`` (float32,
-    as stored) from the last prompt row on, and 0 and -1 before it (``records.first_normalised_row``)."""
+def _check_normalisers(model, hidden: np.ndarray, prompt_len: int, lse: np.ndarray, top: np.ndarray,
+                       top_ids: np.ndarray, top_logp: np.ndarray) -> None:
+    """``lse``, ``top`` and ``top_ids`` / ``top_logp`` are the logsumexp, argmax and top-``k`` tokens and
+    log-probabilities of ``model``'s logits of ``hidden`` (float32, as stored) from the last prompt
+    row on, and 0, -1, -1 and -inf before it (``records.first_normalised_row``)."""
     logits = np.asarray(model.logits(jnp.asarray(hidden)[None]))[0]
     start = prompt_len - 1
     np.testing.assert_allclose(lse[start:], jax.nn.logsumexp(logits[start:], axis=-1), rtol=1e-5)
     np.testing.assert_array_equal(top[start:], np.argmax(logits[start:], axis=-1))
-    assert not lse[:start].any() and np.all(top[:start] == -1)
+    k = min(TARGET_TOP_K, logits.shape[-1])
+    assert top_ids.shape == top_logp.shape == (len(hidden), k)
+    order = np.argsort(-logits[start:], axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(top_ids[start:], order)
+    np.testing.assert_allclose(top_logp[start:], np.take_along_axis(logits[start:], order, -1) - lse[start:, None],
+                               rtol=1e-5, atol=1e-5)
+    assert not lse[:start].any() and np.all(top[:start] == -1) and np.all(top_ids[:start] == -1)
+    assert np.all(top_logp[:start] == -np.inf)
 
 
 def test_records_round_trip_to_the_targets_recomputed_features(baseline, target, prompts, engine):
@@ -164,7 +174,8 @@ def test_records_round_trip_to_the_targets_recomputed_features(baseline, target,
         np.testing.assert_allclose(rec["hidden"], hidden, rtol=1e-4, atol=1e-5 * np.abs(hidden).max())  # float32
         # The normaliser of the stored hidden state's logits, logged while generating, from the
         # last prompt position on.
-        _check_normalisers(target.model, rec["hidden"], rec["target_lse"], rec["target_top"], len(p))
+        _check_normalisers(target.model, rec["hidden"], len(p), *(rec[f] for f in ("target_lse", "target_top",
+                                                                                 *TOP_FIELDS)))
         # Greedy: each row's argmax is the response token that follows it.
         np.testing.assert_array_equal(rec["target_top"][len(p) - 1: -1], rec["tokens"][len(p):])
     # The response is what greedy AR decoding of the prompt alone gives.
@@ -199,11 +210,11 @@ def test_rows_moved_to_smaller_batches_as_they_finish_keep_their_tokens_and_feat
     for i, (p, cap, full) in enumerate(zip(prompts, caps, alone)):
         tokens = out[i, : n_out[i]].tolist()
         assert tokens == full[:cap]
-        feats, hidden, lse, top = row_features(log, i, len(p) + len(tokens))
+        feats, hidden, *normalisers = row_features(log, i, len(p) + len(tokens))
         ref_feats, ref_hidden = reference(p + tokens)
         for got, ref in ((feats, ref_feats), (hidden, ref_hidden)):
             np.testing.assert_allclose(got.astype(np.float32), ref, rtol=2 ** -8 + 1e-4, atol=1e-5 * np.abs(ref).max())
-        _check_normalisers(target.model, hidden, lse, top, len(p))
+        _check_normalisers(target.model, hidden, len(p), *normalisers)
 
 
 def test_resume_after_an_interruption_gives_the_same_records(tmp_path, monkeypatch, baseline, target, prompts,
@@ -403,6 +414,12 @@ def test_records_refuse_inconsistent_shapes():
     with pytest.raises(RolloutError, match=r"target_lse \(4,\) and target_top \(5,\) must be \[T\]"):
         make_record(np.arange(5), 2, np.zeros((5, 8)), np.zeros((5, 4)), np.zeros(4), np.zeros(5), prompt_set="s",
                     prompt_id="a", seed=0, temperature=0.0, top_p=1.0, finished=True)
+    with pytest.raises(RolloutError, match=r"target_top_ids \(5, 3\) and target_top_logp \(5, 2\) must both be \[T, k\]"):
+        make_record(np.arange(5), 2, np.zeros((5, 8)), np.zeros((5, 4)), np.zeros(5), np.zeros(5), np.zeros((5, 3)),
+                    np.zeros((5, 2)), prompt_set="s", prompt_id="a", seed=0, temperature=0.0, top_p=1.0, finished=True)
+    with pytest.raises(RolloutError, match="give both or neither"):
+        make_record(np.arange(5), 2, np.zeros((5, 8)), np.zeros((5, 4)), np.zeros(5), np.zeros(5), np.zeros((5, 3)),
+                    prompt_set="s", prompt_id="a", seed=0, temperature=0.0, top_p=1.0, finished=True)
     with pytest.raises(RolloutError, match="cannot be decoded"):
         decode_record(b"\xc1garbage")
 
@@ -479,6 +496,9 @@ def test_cli_speculative_rollout_and_a_drafter_of_another_target(tmp_path, tiny_
     assert manifest["identity"]["method"] == "pctree" and manifest["trees"] is True
     for a, b in zip(_records(tmp_path / "spec"), _records(baseline)):  # greedy speculation is lossless
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
+        # the second pass's normalisers (``record_normalisers``), of the stored hidden state
+        _check_normalisers(target.model, a["hidden"], int(np.argmax(a["loss_mask"])),
+                           *(a[f] for f in ("target_lse", "target_top", *TOP_FIELDS)))
         trees = StoredTrees.from_dict(a["trees"])  # on-policy: every verified tree, checked on write
         assert trees.rule == "greedy" and len(trees.anchor_pos) >= 1 and trees.tokens.shape[1] == 4
         assert trees.valid[:, 0].all() and len(trees.anchor_pos) <= 8

@@ -214,7 +214,7 @@ class Engine:
 
     def generate_features(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, layer_ids: Sequence[int],
                           temperature: float = 0.0, top_p: float = 1.0, seed: int | Sequence[int] = 0
-                          ) -> tuple[list[list[int]], list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]]:
+                          ) -> tuple[list[list[int]], list[tuple[np.ndarray, ...]]]:
         """Autoregressive ``generate`` that also returns every token's target features and
         normaliser (rollouts).
 
@@ -229,7 +229,8 @@ class Engine:
 
         Returns:
           ``(token_ids, arrays)``; ``arrays[i] = (features [T_i, m·D], hidden [T_i, D], lse [T_i],
-          top [T_i])``, the array fields of prompt ``i``'s rollout record (``records.make_record``)
+          top [T_i], top_ids [T_i, k], top_logp [T_i, k])``, the array fields of prompt ``i``'s
+          rollout record (``records.make_record``)
           over its ``T_i = len(prompt) + len(token_ids[i])`` tokens (``feature_log.row_features``).
 
         Raises:

@@ -105,6 +105,10 @@ class TargetHead:
         """Each token id lies outside a restricted head's columns (always ``False`` for the whole head)."""
         return self.columns(tokens) == self.embed.shape[0]
 
+    def summary(self, hidden: Float[Array, "... D"]) -> tuple[Array, Array, Array, Array]:
+        """``logits_summary`` of this head's logits of ``hidden`` (on the whole head its ids are token ids)."""
+        return logits_summary(self.logits(hidden))
+
     def normaliser(self, hidden: Float[Array, "... D"], temperature: Float[Array, "..."] | float = 1.0
                    ) -> tuple[Float[Array, "..."], Int[Array, "..."]]:
         """``(logsumexp(logits / temperature), argmax logits)`` over this head's columns, float32.
@@ -129,6 +133,23 @@ def logits_normaliser(logits: Float[Array, "... V"], temperature: Float[Array, "
     logits = logits.astype(jnp.float32)
     temperature = jnp.asarray(temperature, jnp.float32)[..., None]
     return jax.nn.logsumexp(logits / temperature, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+TARGET_TOP_K = 64
+"""Tokens of ``p_t`` a rollout stores per row (``rollouts.records``): enough that the mass left
+out averaged 0.7 % on GSM8K, 0.7 % on HumanEval and 2.2 % on MT-Bench rollouts of SmolLM2-135M
+(docs/training.md)."""
+
+
+def logits_summary(logits: Float[Array, "... V"], k: int = TARGET_TOP_K
+                   ) -> tuple[Float[Array, "..."], Int[Array, "..."], Int[Array, "... k"], Float[Array, "... k"]]:
+    """What a rollout stores of the target's logits at a row (``rollouts.records``): ``(target_lse,
+    target_top, target_top_ids, target_top_logp)``, the logsumexp (``logits_normaliser``), the argmax,
+    the ``min(k, V)`` most probable tokens (most probable first, the lower id first among ties, so
+    the first is the argmax) and their log-probabilities; float32 and int32."""
+    lse = logits_normaliser(logits)[0]
+    values, ids = jax.lax.top_k(logits.astype(jnp.float32), min(k, logits.shape[-1]))
+    return lse, ids[..., 0].astype(jnp.int32), ids.astype(jnp.int32), values - lse[..., None]
 
 
 class DraftVocab(nnx.Variable):

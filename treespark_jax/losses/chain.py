@@ -24,7 +24,10 @@ Choices the design leaves open:
   the mass outside them, the *tail*, is known: ``‖q − p‖₁ = Σ_K |q − p| + tail`` is exactly the
   L1 distance of the drafter's distribution (which has no mass outside) to the target's, and
   so is the acceptance ``1 − ½‖q − p‖₁``. A gold label outside the columns cannot be drafted:
-  its cross-entropy is left out of the mean (the L1 term still counts its mass).
+  its cross-entropy is left out of the mean (the L1 term still counts its mass). Rollouts also
+  store ``p_t``'s top-``k`` tokens, and a draft-vocabulary step reads ``p_t`` from them instead of
+  the target's head: the distances are then those of the pair coarsened to {the listed tokens,
+  the rest}, lower bounds within ``2·min(Q, R)`` (``losses.target``).
 - **Temperature 1 on the chain.** ``p_t = softmax(target logits)``: a drafter with
   ``q = p_t`` also matches at every temperature (both are scaled by ``1/temperature`` identically) and
   ranks like the target at temperature 0, so one drafter serves all temperatures.
@@ -38,6 +41,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from treespark_jax.losses.target import TargetDist, as_float
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Bool, Float, Int
 
@@ -107,50 +111,10 @@ class LossConfig:
                 raise ValueError(f"LossConfig.{name}={getattr(self, name)} must be a non-negative weight.")
 
 
-def as_float(x: Array) -> Array:
-    """``x`` in at least float32 (log-softmax over ``V`` in bfloat16 loses the tail)."""
-    return x.astype(jnp.result_type(x.dtype, jnp.float32))
-
-
 def weighted_mean(values: Float[Array, "..."], weights: Float[Array, "..."]) -> Float[Array, ""]:
     """``Σ w·v / Σ w`` over all entries, 0 when ``Σ w = 0`` (masked entries must be finite)."""
     total = jnp.sum(weights)
     return jnp.sum(weights * values) / jnp.where(total > 0, total, 1)
-
-
-def l1_distance(log_q: Float[Array, "... C"], log_p: Float[Array, "... C"], tail: Float[Array, "..."] | float = 0.0
-                ) -> Float[Array, "..."]:
-    """``‖q − p‖₁`` of two log-distributions, ``[..., V] -> [...]`` (in [0, 2]).
-
-    ``tail`` is ``p``'s mass outside the ``V`` columns (``q`` has none there): it adds to the distance.
-    """
-    return jnp.sum(jnp.abs(jnp.exp(log_q) - jnp.exp(log_p)), axis=-1) + tail
-
-
-def forward_kl(log_q: Float[Array, "... C"], log_p: Float[Array, "... C"]) -> Float[Array, "..."]:
-    """``Σ p·(log p − log q)`` over the ``C`` columns, ``[..., C] -> [...]`` (``p``'s mass outside
-    them, which ``q`` cannot hold, is left out; a column with ``p = 0`` adds 0)."""
-    p = jnp.exp(log_p)
-    return jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0), axis=-1)
-
-
-def target_log_probs(target_logits: Float[Array, "... C"], lse: Float[Array, "..."] | None = None
-                     ) -> tuple[Float[Array, "... C"], Float[Array, "..."]]:
-    """``(log p, tail)`` of the target on the logit columns, no gradient (module docstring).
-
-    Args:
-      target_logits: ``[..., V]`` the target's logits on the drafter's columns.
-      lse: ``[...]`` the logsumexp of the target's logits over its whole vocabulary, or ``None``
-        when the columns are the whole vocabulary (then ``p = softmax(target_logits)``, tail 0).
-
-    Returns:
-      ``log p [..., V]`` (float32 at least) and ``tail [...]``, the mass outside the columns, in [0, 1].
-    """
-    logits = as_float(jax.lax.stop_gradient(target_logits))
-    if lse is None:
-        return jax.nn.log_softmax(logits, axis=-1), jnp.zeros(logits.shape[:-1], logits.dtype)
-    log_p = logits - as_float(jax.lax.stop_gradient(lse))[..., None]
-    return log_p, jnp.clip(1 - jnp.sum(jnp.exp(log_p), axis=-1), 0, 1)
 
 
 def binary_cross_entropy(logits: Float[Array, "..."], targets: Float[Array, "..."]) -> Float[Array, "..."]:
@@ -289,17 +253,14 @@ def markov_logits(base: Float[Array, "... C"], prev_tokens: Int[Array, "..."],
     return base + term.reshape(*prev_tokens.shape, child.shape[-1]).astype(base.dtype)
 
 
-def chain_acceptance(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"],
-                     target_lse: Float[Array, "B P"] | None = None) -> Float[Array, "B P"]:
+def chain_acceptance(q_logits: Float[Array, "B P C"], target: TargetDist) -> Float[Array, "B P"]:
     """Per-depth acceptance estimate ``α_j = 1 − ½‖q_j − p_t‖₁`` (temperature 1, no gradient to ``p_t``).
 
     ``α_j`` is the probability that rejection sampling accepts a depth-``j + 1`` draft from
-    ``q_j`` given its parent was accepted (Leviathan et al. 2023, §3.5). ``target_lse``: see
-    ``target_log_probs`` (``None``: the columns are the whole vocabulary).
+    ``q_j`` given its parent was accepted (Leviathan et al. 2023, §3.5). With a top-``k``
+    ``target`` it is that of the coarsened pair, an upper bound (``losses.target``).
     """
-    log_q = jax.nn.log_softmax(as_float(q_logits), axis=-1)
-    log_p, tail = target_log_probs(target_logits, target_lse)
-    return 1 - 0.5 * l1_distance(log_q, log_p, tail)
+    return 1 - 0.5 * target.l1(jax.nn.log_softmax(as_float(q_logits), axis=-1))
 
 
 def expected_chain_tau(alpha: Float[Array, "B P"], mask: Bool[Array, "B P"]) -> Float[Array, ""]:
@@ -337,10 +298,9 @@ def dflash(base_logits: Float[Array, "B P C"], labels: Int[Array, "B P"], mask: 
     return total, {"ce": total}
 
 
-def dspark(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"], labels: Int[Array, "B P"],
+def dspark(q_logits: Float[Array, "B P C"], target: TargetDist, labels: Int[Array, "B P"],
            mask: Bool[Array, "B P"], confidence_logits: Float[Array, "B P"] | None = None,
-           cfg: LossConfig = LossConfig(), target_lse: Float[Array, "B P"] | None = None
-           ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+           cfg: LossConfig = LossConfig()) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """DSpark loss on the gold chain: ``0.1·CE + 0.9·‖q − p_t‖₁ + 1.0·BCE(c_j, sg(α_j))``
     (``+ chain_kl·KL(p_t‖q)`` when that weight is positive).
 
@@ -351,28 +311,25 @@ def dspark(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"]
 
     Args:
       q_logits: ``[B, P, V]`` ``U_j + A(t_prev, ·)``.
-      target_logits: ``[B, P, V]`` the target's logits at rows ``a + j`` (temperature 1).
+      target: ``p_t`` at rows ``a + j`` (temperature 1) on the columns (``losses.target``).
       labels, mask: ``[B, P]`` from ``align_blocks``; labels are logit columns (a column ``≥ V``,
         a token outside a draft vocabulary, is left out of the CE).
       confidence_logits: ``[B, P]`` ``logit c_j`` with the gold ``t_prev``, or ``None`` for a
         drafter without a confidence head (the term is then left out of total and terms).
       cfg: ``chain_*`` weights and decay.
-      target_lse: ``[B, P]`` the target's whole-vocabulary logsumexp when the columns are a
-        draft vocabulary (``target_log_probs``), else ``None``.
 
     Returns:
       ``(total, {"ce", "l1"[, "kl"][, "bce"]})``.
     """
     log_q = jax.nn.log_softmax(as_float(q_logits), axis=-1)
-    log_p, tail = target_log_probs(target_logits, target_lse)
     weights = slot_weights(mask, cfg.chain_decay)
-    l1 = l1_distance(log_q, log_p, tail)
+    l1 = target.l1(log_q)
     ce_weights = jnp.where(in_columns(labels, log_q.shape[-1]), weights, 0)
     terms = {"ce": weighted_mean(gold_cross_entropy(log_q, labels), ce_weights),
              "l1": weighted_mean(l1, weights)}
     total = cfg.chain_ce * terms["ce"] + cfg.chain_l1 * terms["l1"]
     if cfg.chain_kl > 0:
-        terms["kl"] = weighted_mean(forward_kl(log_q, log_p), weights)
+        terms["kl"] = weighted_mean(target.forward_kl(log_q), weights)
         total = total + cfg.chain_kl * terms["kl"]
     if confidence_logits is not None:
         alpha = jax.lax.stop_gradient(1 - 0.5 * l1)

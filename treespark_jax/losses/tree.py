@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from treespark_jax.config import TREE_RULES, greedy_tree, tree_temperature
-from treespark_jax.losses.chain import (LossConfig, as_float, binary_cross_entropy, dspark, l1_distance, markov_logits,
-                                        target_log_probs, weighted_mean)
+from treespark_jax.losses.chain import LossConfig, binary_cross_entropy, dspark, markov_logits, weighted_mean
+from treespark_jax.losses.target import TargetDist, as_float, l1_distance, target_log_probs
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.tree.accept_rejection import node_rejection
 from treespark_jax.tree.arrays import DraftTree
@@ -308,20 +308,19 @@ def tree_terms(child_logits: Float[Array, "batch_trees rows C"], edge_logits: Fl
     return total, terms
 
 
-def treespark(q_logits: Float[Array, "B P C"], target_logits: Float[Array, "B P C"], labels: Int[Array, "B P"],
+def treespark(q_logits: Float[Array, "B P C"], target: TargetDist, labels: Int[Array, "B P"],
               mask: Bool[Array, "B P"], child_logits: Float[Array, "batch_trees rows C"],
               edge_logits: Float[Array, "batch_trees N"] | None, trees: LoggedTrees, rule: str,
               confidence_logits: Float[Array, "B P"] | None = None, cfg: LossConfig = LossConfig(),
-              branch: int | None = None, target_lse: Float[Array, "B P"] | None = None
-              ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+              branch: int | None = None) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """TreeSpark loss: ``dspark`` on the gold chain plus ``tree_terms`` on logged verified trees.
 
-    Args: those of ``losses.chain.dspark`` (gold chain, ``[B, P, …]``, ``target_lse``) and of
+    Args: those of ``losses.chain.dspark`` (gold chain, ``[B, P, …]``) and of
     ``tree_terms`` (``batch_trees`` trees verified with the static ``rule``).
 
     Returns:
       ``(total, terms)``: the union of both term dicts; ``total`` the sum of both totals.
     """
-    chain_total, terms = dspark(q_logits, target_logits, labels, mask, confidence_logits, cfg, target_lse)
+    chain_total, terms = dspark(q_logits, target, labels, mask, confidence_logits, cfg)
     tree_total, tree_named = tree_terms(child_logits, edge_logits, trees, rule, cfg, branch)
     return chain_total + tree_total, {**terms, **tree_named}

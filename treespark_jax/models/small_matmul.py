@@ -115,6 +115,34 @@ def _kernel_product_bwd(res, g):  # the FFI call has no derivative: XLA's produc
 _kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)
 
 
+@jax.custom_vjp
+def _product(x, w):
+    """``x @ w`` by XLA, with its weight gradient written out: ``dw = xᵀ·g`` multiplies with the
+    smaller of the two row-major factors transposed and materialised (``optimization_barrier``),
+    the other read as laid out. Left to autodiff, XLA's CPU layout assignment transposed the larger
+    one: in the drafter's train step the SwiGLU gate's gradient, ``[1536, 512]`` (5.9 ms of a 310 ms
+    step at batch 4 × 512, draft vocabulary 8,192); written out, the step took 298 ms
+    (``experiments/bench_train.py``, docs/training.md). The same device as ``losses.chain.markov_term``."""
+    return x @ w
+
+
+def _product_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _product_bwd(res, g):
+    x, w = res
+    rows, grads = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    if rows.shape[1] <= grads.shape[1]:
+        dw = jax.lax.optimization_barrier(rows.T) @ grads
+    else:
+        dw = (jax.lax.optimization_barrier(grads.T) @ rows).T
+    return (g @ w.T).astype(x.dtype), dw.astype(w.dtype)
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+
 def dense(x: Float[Array, "... fan_in"], w: Float[Array, "fan_in fan_out"],
           packed: Float[Array, "tiles fan_in 32"] | None) -> Float[Array, "... fan_out"]:
     """``x @ w``: by the kernel when ``packed`` (``pack(w)``) is given and ``kernel_applies(x)``,
@@ -122,7 +150,7 @@ def dense(x: Float[Array, "... fan_in"], w: Float[Array, "fan_in fan_out"],
     ``w`` either way (the kernel's gradients are XLA's products); ``packed`` gets none."""
     if packed is not None and kernel_applies(x):
         return _kernel_product(x, w, packed)
-    return x @ w
+    return _product(x, w)
 
 
 def head_matrix(embed: Float[Array, "V D"], lm_head: Float[Array, "D V"] | None) -> Float[Array, "D V"]:

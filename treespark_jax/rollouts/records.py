@@ -16,6 +16,12 @@ of target layer ids, ``R`` = verified rounds, ``N`` = tree budget)::
                                       vocabulary reads ``p_t`` on its columns exactly
     target_top  int32     [T]         argmax token of the same logits (at temperature 0 the
                                       response token that follows)
+    target_top_ids   int32   [T, k]   the ``k`` most probable tokens of the same logits, most
+                                      probable first (``drafter.model.TARGET_TOP_K``; -1 before
+                                      the last prompt token); absent in records written before
+                                      them (training then reads ``p_t`` through the target's head)
+    target_top_logp  float32 [T, k]   their log-probabilities (logits − ``target_lse``; -inf
+                                      before the last prompt token)
     prompt_set  str                   the prompt's set (or JSONL file stem)
     prompt_id   str                   its id within the set
     seed        int                   the row's request seed (uint32)
@@ -63,7 +69,7 @@ from flax import serialization
 
 from treespark_jax.config import TREE_RULES
 
-__all__ = ["FEATURE_DTYPE", "HIDDEN_DTYPE", "RECORD_FIELDS", "RolloutError", "STORED_KEYS", "StoredTrees",
+__all__ = ["FEATURE_DTYPE", "HIDDEN_DTYPE", "RECORD_FIELDS", "RolloutError", "STORED_KEYS", "StoredTrees", "TOP_FIELDS",
            "decode_record", "encode_record", "first_normalised_row", "make_record"]
 
 FEATURE_DTYPE = np.dtype(ml_dtypes.bfloat16)
@@ -73,6 +79,8 @@ HIDDEN_DTYPE = np.dtype(np.float32)
 ``p_t`` read back from it is the target's own distribution."""
 RECORD_FIELDS = ("tokens", "loss_mask", "features", "hidden", "target_lse", "target_top", "prompt_set",
                  "prompt_id", "seed", "temp", "top_p", "finished")
+TOP_FIELDS = ("target_top_ids", "target_top_logp")
+"""The optional fields of ``p_t``'s top-``k`` (module docstring)."""
 _TREE_INT_FIELDS = ("tokens", "parents", "depths", "sibling_rank")
 STORED_KEYS = {"temperature": "temp"}  # Python name → the key records store it under
 
@@ -166,9 +174,9 @@ def first_normalised_row(prompt_len):
     return prompt_len - 1
 
 
-def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_top, *, prompt_set: str,
-                prompt_id: str, seed: int, temperature: float, top_p: float, finished: bool,
-                trees: StoredTrees | None = None) -> dict[str, Any]:
+def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_top, target_top_ids=None,
+                target_top_logp=None, *, prompt_set: str, prompt_id: str, seed: int, temperature: float, top_p: float,
+                finished: bool, trees: StoredTrees | None = None) -> dict[str, Any]:
     """Builds and checks one record.
 
     Args:
@@ -178,6 +186,8 @@ def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_to
       hidden: ``[T, D]`` final-norm hidden states (stored float32).
       target_lse, target_top: ``[T]`` the whole-vocabulary logsumexp and argmax of the target's
         logits of ``hidden`` (``TargetHead.normaliser``).
+      target_top_ids, target_top_logp: ``[T, k]`` the top-``k`` tokens of the same logits and their
+        log-probabilities (``drafter.model.logits_summary``), or both ``None`` (a record without them).
       prompt_set, prompt_id: where the prompt comes from.
       seed, temperature, top_p: the row's generation settings.
       finished: the response ended at a stop token.
@@ -203,9 +213,19 @@ def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_to
     if target_lse.shape != (t,) or target_top.shape != (t,) or not np.all(np.isfinite(target_lse)):
         raise RolloutError(f"target_lse {target_lse.shape} and target_top {target_top.shape} must be [T] with T = {t} "
                            "tokens, the logsumexp finite.")
+    if (target_top_ids is None) != (target_top_logp is None):
+        raise RolloutError("target_top_ids and target_top_logp come together: give both or neither.")
+    top = {}
+    if target_top_ids is not None:
+        top = {"target_top_ids": np.asarray(target_top_ids, np.int32), "target_top_logp": np.asarray(target_top_logp,
+                                                                                                    np.float32)}
+        shapes = {a.shape for a in top.values()}
+        if len(shapes) > 1 or len(next(iter(shapes))) != 2 or next(iter(shapes))[0] != t:
+            raise RolloutError(f"target_top_ids {top['target_top_ids'].shape} and target_top_logp "
+                               f"{top['target_top_logp'].shape} must both be [T, k] with T = {t} tokens.")
     record = {"tokens": tokens, "loss_mask": np.arange(t) >= prompt_len,
               "features": features.astype(FEATURE_DTYPE), "hidden": hidden.astype(HIDDEN_DTYPE),
-              "target_lse": target_lse, "target_top": target_top,
+              "target_lse": target_lse, "target_top": target_top, **top,
               "prompt_set": str(prompt_set), "prompt_id": str(prompt_id), "seed": int(seed),
               "temp": float(temperature), "top_p": float(top_p), "finished": bool(finished)}
     if trees is not None:

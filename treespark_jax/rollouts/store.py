@@ -18,7 +18,9 @@ file not listed (a temporary, or a shard renamed just before a crash) is discard
 
     format, format_version    "treespark-rollouts", 3 (2: records carry target_lse / target_top,
                               trees node_lse / node_top; 3: ``hidden`` is float32, and
-                              ``target_lse`` / ``target_top`` are of it; version 2 is still read)
+                              ``target_lse`` / ``target_top`` are of it; records written since
+                              2026-12-06 add the optional ``target_top_ids`` / ``target_top_logp``;
+                              version 2 is still read)
     target                    TargetBinding fields (drafter/checkpoint.py): the target identity
     layer_ids, d_model        the features' target layers (m of them) and width D
     feature_dtype             "bfloat16"

@@ -143,7 +143,21 @@ def _features_program(graphdef, weights, tokens, lengths, *, layer_ids):
 
 @jax.jit
 def _normaliser_program(head: TargetHead, hidden, temperature):
-    return head.normaliser(hidden[None].astype(head.embed.dtype), temperature)
+    return jax.tree.map(lambda x: x[0], head.normaliser(hidden[None].astype(head.embed.dtype), temperature))
+
+
+@jax.jit
+def _summary_program(head: TargetHead, hidden):
+    return jax.tree.map(lambda x: x[0], head.summary(hidden[None].astype(head.embed.dtype)))
+
+
+def _by_chunks(program, hidden: np.ndarray, *args) -> list[np.ndarray]:
+    """Each output of ``program(rows, *args)`` over the rows of ``hidden [n, D]``, run
+    ``NORMALISER_ROWS`` rows at a time (the last chunk zero-padded: one compiled shape)."""
+    n = len(hidden)
+    rows = np.concatenate([hidden, np.zeros((-n % NORMALISER_ROWS, hidden.shape[1]), hidden.dtype)])
+    parts = [jax.device_get(program(rows[i: i + NORMALISER_ROWS], *args)) for i in range(0, len(rows), NORMALISER_ROWS)]
+    return [np.concatenate(f)[:n] for f in zip(*parts)]
 
 
 def target_normalisers(head: TargetHead, hidden: np.ndarray, temperature: float = 1.0
@@ -159,13 +173,8 @@ def target_normalisers(head: TargetHead, hidden: np.ndarray, temperature: float 
     Returns:
       ``(lse [n] float32, top [n] int32)``.
     """
-    n, d = hidden.shape
-    rows = np.zeros((n + (-n % NORMALISER_ROWS), d), hidden.dtype)
-    rows[:n] = hidden
-    parts = [jax.device_get(_normaliser_program(head, rows[i: i + NORMALISER_ROWS], np.float32(temperature)))
-             for i in range(0, len(rows), NORMALISER_ROWS)]
-    return (np.concatenate([p[0][0] for p in parts])[:n].astype(np.float32),
-            np.concatenate([p[1][0] for p in parts])[:n].astype(np.int32))
+    lse, top = _by_chunks(functools.partial(_normaliser_program, head), hidden, np.float32(temperature))
+    return lse.astype(np.float32), top.astype(np.int32)
 
 
 def target_features(model: Decoder, sequences: Sequence[Sequence[int] | np.ndarray], layer_ids: Sequence[int]
@@ -192,22 +201,24 @@ def target_features(model: Decoder, sequences: Sequence[Sequence[int] | np.ndarr
 
 
 def record_arrays(model: Decoder, sequences: Sequence[Sequence[int] | np.ndarray], prompt_lens: Sequence[int],
-                  layer_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """``(features, hidden, target_lse, target_top)`` of each sequence, the array fields of a
-    rollout record (``make_record``), from one forward (``target_features``) and the LM head
-    (``record_normalisers`` from each last prompt position)."""
+                  layer_ids: Sequence[int]) -> list[tuple[np.ndarray, ...]]:
+    """``(features, hidden, target_lse, target_top, target_top_ids, target_top_logp)`` of each
+    sequence, the array fields of a rollout record (``make_record``), from one forward
+    (``target_features``) and the LM head (``record_normalisers`` from each last prompt position)."""
     feats = target_features(model, sequences, layer_ids)
     norms = record_normalisers(TargetHead.of(model, model.dtype), [h for _, h in feats], prompt_lens)
     return [(*f, *n) for f, n in zip(feats, norms)]
 
 
 def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], prompt_lens: Sequence[int]
-                       ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The ``target_lse`` and ``target_top`` fields of records from their hidden states.
+                       ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """The ``target_lse``, ``target_top``, ``target_top_ids`` and ``target_top_logp`` fields of
+    records from their hidden states (``TargetHead.summary``).
 
-    Rows before ``records.first_normalised_row`` (the last prompt position) hold 0 (lse) and -1
-    (top): the LM head skips the rest of the prompt (training never reads those rows as targets).
-    All rows of all records go through ``target_normalisers`` together.
+    Rows before ``records.first_normalised_row`` (the last prompt position) hold 0, -1, -1 and
+    -inf: the LM head skips the rest of the prompt (training never reads those rows as targets).
+    Rows go through the head ``NORMALISER_ROWS`` at a time, all records' together (one compiled
+    program per head).
 
     Args:
       head: the target's whole LM head.
@@ -215,16 +226,18 @@ def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], prompt_le
       prompt_lens: per record, its prompt tokens (``1 ≤ prompt_lens[i] ≤ T_i``).
 
     Returns:
-      Per record ``(lse [T_i] float32, top [T_i] int32)``.
+      Per record ``(lse [T_i] float32, top [T_i] int32, top_ids [T_i, k] int32, top_logp [T_i, k]
+      float32)``.
     """
     starts = [first_normalised_row(n) for n in prompt_lens]
-    lse, top = target_normalisers(head, np.concatenate([h[s:] for h, s in zip(hidden, starts)]))
+    fields = _by_chunks(functools.partial(_summary_program, head), np.concatenate([h[s:] for h, s in zip(hidden, starts)]))
+    empty = (0.0, -1, -1, -np.inf)
     out, at = [], 0
     for h, s in zip(hidden, starts):
-        n = len(h) - s
-        out.append((np.concatenate([np.zeros(s, np.float32), lse[at: at + n]]),
-                    np.concatenate([np.full(s, -1, np.int32), top[at: at + n]])))
-        at += n
+        m = len(h) - s
+        out.append(tuple(np.concatenate([np.full((s, *f.shape[1:]), e, f.dtype), f[at: at + m]])
+                         for f, e in zip(fields, empty)))
+        at += m
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from treespark_jax.pytree import pytree_dataclass
+from treespark_jax.rollouts.records import TOP_FIELDS
 from treespark_jax.typing import Array, Bool, Float, Int
 
 
@@ -86,9 +87,13 @@ class TrainBatch:
       target_top: ``[B, T]`` int32 the target's argmax token per position.
       anchors: ``[B, A]`` int32 gold-chain anchor positions, ``-1`` = unused.
       trees: the logged trees, or ``None`` (plain rollouts, or a loss that does not use them).
+      target_top_ids: ``[B, T, k]`` int32 the target's ``k`` most probable tokens per position, or
+        ``None`` when a record of the batch does not store them (``rollouts.records``).
+      target_top_logp: ``[B, T, k]`` float32 their log-probabilities, or ``None`` likewise.
 
-    Rows at or after a row's length are zero; ``target_lse`` / ``target_top`` are 0 / -1 before
-    the last prompt token (``rollouts.writer.record_normalisers``).
+    Rows at or after a row's length are zero (the top-``k`` fields -1 / -inf); ``target_lse`` /
+    ``target_top`` / ``target_top_ids`` / ``target_top_logp`` are 0 / -1 / -1 / -inf before the
+    last prompt token (``rollouts.writer.record_normalisers``).
     """
 
     tokens: Int[Array, "B T"]
@@ -100,13 +105,16 @@ class TrainBatch:
     target_top: Int[Array, "B T"]
     anchors: Int[Array, "B anchors"]
     trees: TreeBatch | None = None
+    target_top_ids: Int[Array, "B T k"] | None = None
+    target_top_logp: Float[Array, "B T k"] | None = None
 
     @classmethod
-    def of(cls, tokens: TokenBatch, features, hidden, target_lse, target_top) -> "TrainBatch":
+    def of(cls, tokens: TokenBatch, features, hidden, target_lse, target_top, target_top_ids=None,
+           target_top_logp=None) -> "TrainBatch":
         """``tokens`` with the target side (shapes as the attributes)."""
         return cls(tokens=tokens.tokens, loss_mask=tokens.loss_mask, lengths=tokens.lengths, features=features,
                    hidden=hidden, target_lse=target_lse, target_top=target_top, anchors=tokens.anchors,
-                   trees=tokens.trees)
+                   trees=tokens.trees, target_top_ids=target_top_ids, target_top_logp=target_top_logp)
 
 
 def sample_anchors(loss_mask: np.ndarray, length: int, n_anchors: int, rng: np.random.Generator) -> np.ndarray:
@@ -222,6 +230,11 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
     b, x, d = len(records), records[0]["features"].shape[1], records[0]["hidden"].shape[1]
     side = dict(features=np.zeros((b, seq_len, x), np.float32), hidden=np.zeros((b, seq_len, d), np.float32),
                 target_lse=np.zeros((b, seq_len), np.float32), target_top=np.zeros((b, seq_len), np.int32))
+    tops = {r[TOP_FIELDS[0]].shape[1] if TOP_FIELDS[0] in r else None for r in records}
+    if len(tops) == 1 and None not in tops:  # else the step reads p_t through the target's head
+        k = tops.pop()
+        side.update(target_top_ids=np.full((b, seq_len, k), -1, np.int32),
+                    target_top_logp=np.full((b, seq_len, k), -np.inf, np.float32))
     for i, (rec, n) in enumerate(zip(records, tokens.lengths)):
         for name, arr in side.items():
             arr[i, :n] = np.asarray(rec[name][:n], arr.dtype)

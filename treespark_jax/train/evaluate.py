@@ -32,7 +32,7 @@ from flax import nnx
 
 from treespark_jax.config import TreeConfig, VerifyRule
 from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
-from treespark_jax.losses.chain import chain_acceptance, target_log_probs
+from treespark_jax.losses.chain import chain_acceptance
 from treespark_jax.train.batches import TrainBatch, batch_from_records
 from treespark_jax.train.objective import GoldChain, gold_chain
 from treespark_jax.tree.arrays import DraftTree
@@ -147,14 +147,14 @@ def slot_sums(chain: GoldChain, columns: int) -> Float[Array, "4"]:
     """Sums over the labelled rows of ``chain`` for its context slots (columns ``columns..``).
 
     Returns:
-      ``[4]`` float32: the drafter's mass on the slots, the target's (its whole-vocabulary
-      normaliser), the gold labels that are slot tokens, and those the drafter ranks first.
+      ``[4]`` float32: the drafter's mass on the slots, the target's (normalised over its whole
+      vocabulary; that of its listed tokens with a top-``k`` target, ``TargetDist.column_mass``),
+      the gold labels that are slot tokens, and those the drafter ranks first.
     """
-    log_p, _ = target_log_probs(chain.target_logits, chain.target_lse)
     in_slots = chain.mask & (chain.labels >= columns) & (chain.labels < chain.q.shape[-1])  # else no slot holds it
     first = in_slots & (jnp.argmax(chain.q, axis=-1) == chain.labels)
     mass = [jnp.sum(jax.nn.softmax(chain.q.astype(jnp.float32), -1)[..., columns:], -1),
-            jnp.sum(jnp.exp(log_p[..., columns:]), -1)]
+            chain.target.column_mass(columns, chain.q.shape[-1])]
     return jnp.stack([jnp.sum(jnp.where(chain.mask, m, 0)) for m in mass]
                      + [jnp.sum(in_slots).astype(jnp.float32), jnp.sum(first).astype(jnp.float32)])
 
@@ -167,7 +167,7 @@ def _batch_sums(graphdef, params, head: TargetHead, batch: TrainBatch, *, tree_c
     draft_head = None if drafter.draft_vocab is None else head.restricted(drafter.draft_vocab[...])
     out = drafter.packed(batch.tokens, batch.features, batch.anchors, head, draft_head)
     chain = gold_chain(drafter, head, batch, out, draft_head)
-    alpha = chain_acceptance(chain.q, chain.target_logits, chain.target_lse)
+    alpha = chain_acceptance(chain.q, chain.target)
     used = chain.mask[:, 0]
     survive = jnp.cumprod(jnp.where(chain.mask, alpha, 0), axis=-1)
     chain_tau = jnp.sum(jnp.where(used, 1 + jnp.sum(survive, -1), 0))

@@ -1,15 +1,17 @@
 """The training objective: one packed drafter forward over a ``TrainBatch``, then the loss.
 
 Gold-chain anchors and logged-tree anchors of a sequence share one ``BlockDrafter.packed``
-call, so every block is exactly the block inference drafts from that anchor. Targets come
-from the rollout's final-norm hidden states through the target's frozen LM head (``p_t`` of
-slot ``j`` = the row of position ``a + j``, ``losses.chain.align_blocks``). DESIGN.md §1.4.
+call, so every block is exactly the block inference drafts from that anchor. ``p_t`` of slot
+``j`` is the target's distribution at the row of position ``a + j`` (``losses.chain.align_blocks``):
+from the rollout's final-norm hidden states through the target's frozen LM head, or, with a draft
+head and a batch that carries them, from the top-``k`` tokens the rollout stored (no head at all:
+``losses.target``). DESIGN.md §1.4.
 
 With a draft head (``TargetHead.restricted`` of a draft vocabulary) the drafter's logits and the
 target's cover the draft vocabulary's ``K`` columns only, as at inference; the target is
-normalised over its whole vocabulary by the logsumexp the rollout stored, labels and tree tokens
-become columns (``K`` for a token outside), and tree nodes outside the columns are left out
-(``losses.chain``' module docstring says what stays exact). With context slots
+normalised over its whole vocabulary by the logsumexp the rollout stored, labels, stored top-``k``
+tokens and tree tokens become columns (``K`` for a token outside), and tree nodes outside the
+columns are left out (``losses.chain``' module docstring says what stays exact). With context slots
 (``DrafterConfig.context_vocab``) the gold chain's columns are the ``K`` and then each block's
 slots (``DrafterOutput.context``), the target's and the Markov head's included; the tree terms
 keep the ``K`` static columns (a logged node held only by a slot is left out, like any node
@@ -26,6 +28,7 @@ from treespark_jax.drafter.context_vocab import masked_logits, slot_columns
 from treespark_jax.drafter.model import BlockDrafter, DrafterOutput, TargetHead
 from treespark_jax.losses.chain import (LossConfig, align_blocks, chain_acceptance, dflash, dspark, expected_chain_tau,
                                         markov_logits)
+from treespark_jax.losses.target import TargetDist
 from treespark_jax.losses.tree import LoggedTrees, tree_child_logits, tree_edge_logits, treespark
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.train.batches import TrainBatch
@@ -90,9 +93,7 @@ class GoldChain:
       base: ``[blocks, P, C]`` base logits ``U_j``.
       q: ``[blocks, P, C]`` child logits ``U_j + A(t_prev, ·)`` teacher-forced with the gold parent
         (``base`` without a Markov head).
-      target_logits: ``[blocks, P, C]`` the target's logits at rows ``a + j`` (frozen LM head).
-      target_lse: ``[blocks, P]`` their whole-vocabulary logsumexp when the columns are a draft
-        vocabulary (from the rollout), else ``None``.
+      target: ``p_t`` at rows ``a + j`` on the columns (``[blocks, P, …]``, ``losses.target``).
       confidence: ``[blocks, P]`` DSpark confidence logits, or ``None``.
       labels: ``[blocks, P]`` the gold labels' logit columns (``C`` for a token outside the columns).
       gold: ``[blocks, P]`` the gold labels' token ids.
@@ -104,8 +105,7 @@ class GoldChain:
 
     base: Float[Array, "blocks P C"]
     q: Float[Array, "blocks P C"]
-    target_logits: Float[Array, "blocks P C"]
-    target_lse: Float[Array, "blocks P"] | None
+    target: TargetDist
     confidence: Float[Array, "blocks P"] | None
     labels: Int[Array, "blocks P"]
     gold: Int[Array, "blocks P"]
@@ -135,21 +135,44 @@ def gold_chain(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, out: 
     conf = None
     if drafter.confidence is not None:
         conf = drafter.confidence_logits(_flat(out.hidden[:, :a]), prev, head)
-    lse = None
-    if cols.vocab_ids is not None:
-        rows = align.rows.reshape(align.rows.shape[0], -1)  # [B, A·P]
-        lse = _flat(jnp.take_along_axis(batch.target_lse, rows, axis=1).reshape(align.rows.shape))
-        # A masked slot's row may precede the last prompt token, where rollouts store no normaliser:
-        # p = 0 there keeps every term finite (the slot has no weight).
-        lse = jnp.where(_flat(align.mask), lse, jnp.inf)
-    target_hidden = _flat(align.target).astype(base.dtype)
-    target_logits, labels = cols.logits(target_hidden), cols.columns(_flat(align.labels))
-    if slots is not None:
-        held = masked_logits(head.token_logits(target_hidden, slots), slots)
-        target_logits = jnp.concatenate([target_logits, held], axis=-1)
-        labels = jnp.where(labels < k, labels, k + slot_columns(slots, _flat(align.labels)))
-    return GoldChain(base=base, q=q, target_logits=target_logits, target_lse=lse, confidence=conf, labels=labels,
-                     gold=_flat(align.labels), mask=_flat(align.mask), prev_tokens=prev, slots=slots)
+    labels = _token_columns(cols, slots, _flat(align.labels))
+    rows = align.rows.reshape(align.rows.shape[0], -1)  # [B, A·P]
+    mask = _flat(align.mask)
+
+    def at_rows(x):  # [B, T, ...] → [blocks, P, ...] at the slots' rows
+        return _flat(jnp.take_along_axis(x, rows.reshape(*rows.shape, *[1] * (x.ndim - 2)), axis=1)
+                     .reshape(*align.rows.shape, *x.shape[2:]))
+
+    if cols.vocab_ids is not None and batch.target_top_ids is not None:
+        # A masked slot's row may precede the last prompt token, where nothing is stored: p = 0 there.
+        log_p = jnp.where(mask[..., None], at_rows(batch.target_top_logp), -jnp.inf)
+        target = TargetDist.of_top(_token_columns(cols, slots, at_rows(batch.target_top_ids)), log_p)
+    else:
+        lse = None
+        if cols.vocab_ids is not None:
+            # A masked slot's row may precede the last prompt token, where rollouts store no normaliser:
+            # p = 0 there keeps every term finite (the slot has no weight).
+            lse = jnp.where(mask, at_rows(batch.target_lse), jnp.inf)
+        target_hidden = _flat(align.target).astype(base.dtype)
+        target_logits = cols.logits(target_hidden)
+        if slots is not None:
+            held = masked_logits(head.token_logits(target_hidden, slots), slots)
+            target_logits = jnp.concatenate([target_logits, held], axis=-1)
+        target = TargetDist.of_logits(target_logits, lse)
+    return GoldChain(base=base, q=q, target=target, confidence=conf, labels=labels, gold=_flat(align.labels),
+                     mask=mask, prev_tokens=prev, slots=slots)
+
+
+def _token_columns(cols: TargetHead, slots: Int[Array, "blocks ctx"] | None, tokens: Int[Array, "blocks P *k"]
+                   ) -> Int[Array, "blocks P *k"]:
+    """The gold chain's logit column of each token: its draft-vocabulary column, else the block's
+    slot holding it (``K + slot``), else ``C`` (no column holds it)."""
+    columns = cols.columns(tokens)
+    if slots is None:
+        return columns
+    k = cols.embed.shape[0]
+    held = slot_columns(slots, tokens.reshape(tokens.shape[0], -1)).reshape(tokens.shape)
+    return jnp.where(columns < k, columns, k + held)
 
 
 def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, loss: str,
@@ -187,19 +210,18 @@ def objective(drafter: BlockDrafter, head: TargetHead, batch: TrainBatch, *, los
     anchors = jnp.concatenate([batch.anchors, batch.trees.anchor_pos], axis=1) if with_trees else batch.anchors
     out = drafter.packed(batch.tokens, batch.features, anchors, head, draft_head)
     chain = gold_chain(drafter, head, batch, out, draft_head)
-    base, q, target_logits, lse, conf = chain.base, chain.q, chain.target_logits, chain.target_lse, chain.confidence
+    base, q, target, conf = chain.base, chain.q, chain.target, chain.confidence
     labels, mask = chain.labels, chain.mask
     if loss == "dflash":
         total, terms = dflash(base, labels, mask, cfg)
     elif loss == "dspark":
-        total, terms = dspark(q, target_logits, labels, mask, conf, cfg, lse)
+        total, terms = dspark(q, target, labels, mask, conf, cfg)
     else:
         columns = (draft_head or head).embed.shape[0]  # the tree terms read the static columns
         logged, child_logits, edge = _logged_trees(drafter, head, draft_head or head, batch,
                                                    _flat(out.logits[:, a:, ..., :columns]), _flat(out.hidden[:, a:]))
-        total, terms = treespark(q, target_logits, labels, mask, child_logits, edge, logged, rule, conf, cfg,
-                                 target_lse=lse)
-    alpha = chain_acceptance(q, target_logits, lse)
+        total, terms = treespark(q, target, labels, mask, child_logits, edge, logged, rule, conf, cfg)
+    alpha = chain_acceptance(q, target)
     w = mask.astype(alpha.dtype)
     metrics = dict(terms, loss=total, tau=expected_chain_tau(alpha, mask),
                    alpha=jnp.sum(alpha * w, 0) / jnp.maximum(jnp.sum(w, 0), 1))

@@ -4,14 +4,15 @@ One objective, two sources. Offline, a ``TrainBatch`` carries the target side a 
 (``rollouts.records``); online, the data pipeline carries tokens only (``TokenBatch``: the same
 tokens, loss masks, anchors as the offline batch of the same step, ``data.train_dataset``) and
 :func:`target_batch` computes the target side on the mesh with the same code the rollout writer
-uses (``rollouts.features.causal_features`` and ``TargetHead.normaliser``), then the step is the
+uses (``rollouts.features.causal_features`` and ``TargetHead.summary``), then the step is the
 offline one (``step.TrainStep.update``). What equals what:
 
 * features are rounded to bfloat16, as stored, then read as float32, as
   ``batches.batch_from_records`` reads them; the final-norm hidden states stay float32, as stored,
-  and the logsumexp and argmax are of their logits, as the writer's;
+  and the logsumexp, argmax and top-``k`` are of their logits, as the writer's;
 * rows at or after a row's length are zero, and rows before the last prompt token hold
-  ``target_lse = 0`` and ``target_top = -1``, as in a record (no loss reads them). The last prompt
+  ``target_lse = 0``, ``target_top = -1`` and an empty top-``k`` (-1, -inf), as in a record (no loss
+  reads them; rows at or after a row's length hold the same empty top-``k``). The last prompt
   token is found from the loss mask, so a row whose prompt is longer than ``T`` (no response
   token in the window) keeps the normaliser of row ``T − 1`` where a record has none: unread, as
   the row has nothing to learn;
@@ -57,20 +58,23 @@ def target_batch(target: Decoder, head: TargetHead, batch: TokenBatch, layer_ids
 
     Returns:
       ``TrainBatch`` with ``features [B, T, m·D]`` float32 (bfloat16 values), ``hidden [B, T, D]``
-      float32, ``target_lse [B, T]`` float32 and ``target_top [B, T]`` int32.
+      float32, ``target_lse [B, T]`` float32, ``target_top [B, T]`` int32, ``target_top_ids [B, T, k]``
+      int32 and ``target_top_logp [B, T, k]`` float32.
     """
     batch = jax.tree.map(jnp.asarray, batch)
     features, hidden = causal_features(target, batch.tokens, batch.lengths, layer_ids)
-    lse, top = head.normaliser(hidden.astype(head.embed.dtype))
+    lse, top, ids, logp = head.summary(hidden.astype(head.embed.dtype))
     t = jnp.arange(batch.tokens.shape[1])[None, :]
     real = t < batch.lengths[:, None]
     first = jnp.where(jnp.any(batch.loss_mask, axis=1), jnp.argmax(batch.loss_mask, axis=1), batch.tokens.shape[1])
     stored = real & (t >= first_normalised_row(first)[:, None])  # rows whose normaliser a record stores
     lse = jnp.where(stored, lse, 0).astype(jnp.float32)
     top = jnp.where(stored, top, jnp.where(real, -1, 0)).astype(jnp.int32)
+    ids = jnp.where(stored[..., None], ids, -1)
+    logp = jnp.where(stored[..., None], logp, -jnp.inf)
     features = jnp.where(real[..., None], features.astype(jnp.float32), 0)
     hidden = jnp.where(real[..., None], hidden.astype(jnp.float32), 0)
-    return TrainBatch.of(batch, features, hidden, lse, top)
+    return TrainBatch.of(batch, features, hidden, lse, top, ids, logp)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,7 +52,7 @@ from treespark_jax.config import TreeConfig
 from treespark_jax.drafter.checkpoint import TargetBinding
 from treespark_jax.drafter.model import BlockDrafter, TargetHead
 from treespark_jax.rollouts.reader import RolloutSet, open_rollouts
-from treespark_jax.rollouts.records import STORED_KEYS, StoredTrees, make_record
+from treespark_jax.rollouts.records import STORED_KEYS, TOP_FIELDS, StoredTrees, make_record
 from treespark_jax.rollouts.store import RolloutWriter
 from treespark_jax.rollouts.writer import RolloutRun
 from treespark_jax.train.evaluate import anchor_trees, gold_path_nodes
@@ -288,7 +288,8 @@ def write_replay(rollouts: RolloutSet, out, drafter: BlockDrafter, head: TargetH
 def _with_trees(record: dict[str, Any], trees: StoredTrees) -> dict[str, Any]:
     """``record`` (a plain rollout record) with ``trees`` added, rebuilt and checked by ``make_record``."""
     return make_record(record["tokens"], _prompt_len(record), record["features"], record["hidden"],
-                       record["target_lse"], record["target_top"], prompt_set=record["prompt_set"],
+                       record["target_lse"], record["target_top"], *(record.get(f) for f in TOP_FIELDS),
+                       prompt_set=record["prompt_set"],
                        prompt_id=record["prompt_id"], seed=record["seed"],
                        temperature=record[STORED_KEYS["temperature"]], top_p=record["top_p"],
                        finished=record["finished"], trees=trees)
