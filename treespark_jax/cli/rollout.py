@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ro.add_argument("--max-new-tokens", type=int, default=256, help="cap on response tokens per prompt")
     add_sampling_args(ro)
     ro.add_argument("--seed", type=int, default=0, help="base seed (each prompt's seed derives from it)")
-    ro.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch and per shard")
+    ro.add_argument("--batch-size", type=int, default=32,
+                    help="prompts per generation batch and per shard (rows moved to smaller batches as they finish)")
     ro.add_argument("--drafter", default=None, metavar="PATH", type=path_arg,
                     help="generate speculatively with this drafter checkpoint (or 'random')")
     ro.add_argument("--method", default=None, choices=DRAFTER_METHODS,

@@ -87,7 +87,7 @@ class RolloutSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    batch_size: int = 8
+    batch_size: int = 32
     method: str = "ar"
     budget: int | None = None
     drafter: str | None = None
