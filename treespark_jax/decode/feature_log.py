@@ -1,18 +1,17 @@
 """Target features logged while generating: rollouts without a second forward pass (DESIGN.md §1.4).
 
 A rollout record needs, for every token of ``prompt + response``, the outputs of the drafter's
-target layers and the final-norm hidden state, and from the last prompt token on the logsumexp
-argmax and top-``k`` of the target's logits there (``records.first_normalised_row``). Generation already
-computes all of them: the prefill for the prompt's rows (its logits at the last prompt row only),
-and each autoregressive step for the row it feeds (the anchor, the token emitted by the step
-before, at position ``cache.lengths``) with the logits it draws the next token from. The log
+target layers and the final-norm hidden state, and from the last prompt token on the logsumexp,
+argmax and top-``k`` of the target's logits there (``records.first_normalised_row``). Generation
+already computes all of them: the prefill for the prompt's rows (its logits at the last prompt row
+only), and each autoregressive step for the row it feeds (the anchor, the token emitted by the
+step before, at position ``cache.lengths``) with the logits it draws the next token from. The log
 keeps them in the record's dtypes (features bfloat16; hidden states, logsumexps and top-``k``
-log-probabilities float32, so the stored state is the one the normaliser is of; token ids int32), in
-buffers indexed by
-position, on device inside the decode loop, and reaches the host once per call. The last token
-of a row is never fed by the loop (it is emitted, then the row is done), so the loop ends with
-one more step whose only use is to log those rows; rows that finished earlier re-log their last
-token there with the same values.
+log-probabilities float32, so the stored state is the one the normaliser is of; token ids int32),
+in buffers indexed by position, on device inside the decode loop, and reaches the host once per
+call. The last token of a row is never fed by the loop (it is emitted, then the row is done), so
+the loop ends with one more step whose only use is to log those rows; rows that finished earlier
+re-log their last token there with the same values.
 
 The features buffer holds the bfloat16 values' bits as uint16: XLA's CPU backend scatters into a
 bfloat16 array by converting the whole buffer to float32 and back, every step (on the 2-core CPU,
