@@ -66,5 +66,7 @@ DIMENSIONS: dict[str, str] = {
     "blocks": "drafted blocks of a batch (rows × anchors)",
     "trees": "logged trees per training sequence",
     "batch_trees": "logged trees of a whole batch (rows × trees)",
+    "k": "most probable tokens of the target a rollout stores per row (drafter.model.TARGET_TOP_K)",
+    "J": "listed entries of a target distribution (losses.target.TargetDist: the columns C, or the top k)",
 }
 """Dimension name → what it counts (one name per dimension)."""
