@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treespark_jax.drafter.model import logits_summary
+from treespark_jax.drafter.model import EMPTY_SUMMARY, logits_summary
 from treespark_jax.models.decoder import DecoderOutput
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.typing import Array, Float, Int, UInt
@@ -90,9 +90,11 @@ class FeatureLog:
         pad = ((0, 0), (0, capacity - output.hidden.shape[1]), (0, 0))
         lse, _, ids, logp = logits_summary(last_logits)
         k = ids.shape[-1]
+        empty = EMPTY_SUMMARY
         log = cls(features=jnp.pad(_bits(output.features), pad), hidden=jnp.pad(_hidden(output.hidden), pad),
-                  lse=jnp.zeros((b, capacity), jnp.float32), top_ids=jnp.full((b, capacity, k), -1, jnp.int32),
-                  top_logp=jnp.full((b, capacity, k), -jnp.inf, jnp.float32))
+                  lse=jnp.full((b, capacity), empty.lse, jnp.float32),
+                  top_ids=jnp.full((b, capacity, k), empty.top_ids, jnp.int32),
+                  top_logp=jnp.full((b, capacity, k), empty.top_logp, jnp.float32))
         return log._put(jnp.arange(b), prompt_lens - 1, lse, ids, logp)
 
     def _put(self, rows, positions, lse, ids, logp) -> "FeatureLog":

@@ -13,6 +13,7 @@ context keys/values in every layer).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +106,7 @@ class TargetHead:
         """Each token id lies outside a restricted head's columns (always ``False`` for the whole head)."""
         return self.columns(tokens) == self.embed.shape[0]
 
-    def summary(self, hidden: Float[Array, "... D"]) -> tuple[Array, Array, Array, Array]:
+    def summary(self, hidden: Float[Array, "... D"]) -> "Summary":
         """``logits_summary`` of this head's logits of ``hidden`` (on the whole head its ids are token ids)."""
         return logits_summary(self.logits(hidden))
 
@@ -141,15 +142,27 @@ out averaged 0.7 % on GSM8K, 0.7 % on HumanEval and 2.2 % on MT-Bench rollouts o
 (docs/training.md)."""
 
 
-def logits_summary(logits: Float[Array, "... V"], k: int = TARGET_TOP_K
-                   ) -> tuple[Float[Array, "..."], Int[Array, "..."], Int[Array, "... k"], Float[Array, "... k"]]:
-    """What a rollout stores of the target's logits at a row (``rollouts.records``): ``(target_lse,
-    target_top, target_top_ids, target_top_logp)``, the logsumexp (``logits_normaliser``), the argmax,
-    the ``min(k, V)`` most probable tokens (most probable first, the lower id first among ties, so
-    the first is the argmax) and their log-probabilities; float32 and int32."""
+class Summary(NamedTuple):
+    """What a rollout stores of the target's logits at a row (``rollouts.records``' ``target_lse``,
+    ``target_top``, ``target_top_ids``, ``target_top_logp``)."""
+
+    lse: Float[Array, "..."]
+    top: Int[Array, "..."]
+    top_ids: Int[Array, "... k"]
+    top_logp: Float[Array, "... k"]
+
+
+EMPTY_SUMMARY = Summary(lse=0.0, top=-1, top_ids=-1, top_logp=-np.inf)
+"""The values a record holds at a row with no summary (before its last prompt token)."""
+
+
+def logits_summary(logits: Float[Array, "... V"], k: int = TARGET_TOP_K) -> Summary:
+    """The ``Summary`` of logits: the logsumexp (``logits_normaliser``), the argmax, the ``min(k, V)``
+    most probable tokens (most probable first, the lower id first among ties, so the first is the
+    argmax) and their log-probabilities; float32 and int32."""
     lse = logits_normaliser(logits)[0]
     values, ids = jax.lax.top_k(logits.astype(jnp.float32), min(k, logits.shape[-1]))
-    return lse, ids[..., 0].astype(jnp.int32), ids.astype(jnp.int32), values - lse[..., None]
+    return Summary(lse, ids[..., 0].astype(jnp.int32), ids.astype(jnp.int32), values - lse[..., None])
 
 
 class DraftVocab(nnx.Variable):

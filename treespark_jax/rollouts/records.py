@@ -217,12 +217,11 @@ def make_record(tokens, prompt_len: int, features, hidden, target_lse, target_to
         raise RolloutError("target_top_ids and target_top_logp come together: give both or neither.")
     top = {}
     if target_top_ids is not None:
-        top = {"target_top_ids": np.asarray(target_top_ids, np.int32), "target_top_logp": np.asarray(target_top_logp,
-                                                                                                    np.float32)}
-        shapes = {a.shape for a in top.values()}
-        if len(shapes) > 1 or len(next(iter(shapes))) != 2 or next(iter(shapes))[0] != t:
-            raise RolloutError(f"target_top_ids {top['target_top_ids'].shape} and target_top_logp "
-                               f"{top['target_top_logp'].shape} must both be [T, k] with T = {t} tokens.")
+        ids, logp = np.asarray(target_top_ids, np.int32), np.asarray(target_top_logp, np.float32)
+        if ids.shape != logp.shape or ids.ndim != 2 or len(ids) != t:
+            raise RolloutError(f"target_top_ids {ids.shape} and target_top_logp {logp.shape} must both be [T, k] "
+                               f"with T = {t} tokens.")
+        top = {"target_top_ids": ids, "target_top_logp": logp}
     record = {"tokens": tokens, "loss_mask": np.arange(t) >= prompt_len,
               "features": features.astype(FEATURE_DTYPE), "hidden": hidden.astype(HIDDEN_DTYPE),
               "target_lse": target_lse, "target_top": target_top, **top,

@@ -48,7 +48,7 @@ from treespark_jax.decode.engine import Engine, check_sampling
 from treespark_jax.decode.plan import Speculation
 from treespark_jax.decode.stats import GenerationStats
 from treespark_jax.drafter.checkpoint import TargetBinding, target_sha256
-from treespark_jax.drafter.model import TargetHead
+from treespark_jax.drafter.model import EMPTY_SUMMARY, TargetHead
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.prompts.chat import prompt_ids
 from treespark_jax.prompts.sets import PromptRecord
@@ -231,12 +231,11 @@ def record_normalisers(head: TargetHead, hidden: Sequence[np.ndarray], prompt_le
     """
     starts = [first_normalised_row(n) for n in prompt_lens]
     fields = _by_chunks(functools.partial(_summary_program, head), np.concatenate([h[s:] for h, s in zip(hidden, starts)]))
-    empty = (0.0, -1, -1, -np.inf)
     out, at = [], 0
     for h, s in zip(hidden, starts):
         m = len(h) - s
         out.append(tuple(np.concatenate([np.full((s, *f.shape[1:]), e, f.dtype), f[at: at + m]])
-                         for f, e in zip(fields, empty)))
+                         for f, e in zip(fields, EMPTY_SUMMARY)))
         at += m
     return out
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from treespark_jax.drafter.model import EMPTY_SUMMARY
 from treespark_jax.pytree import pytree_dataclass
 from treespark_jax.rollouts.records import TOP_FIELDS
 from treespark_jax.typing import Array, Bool, Float, Int
@@ -233,8 +234,8 @@ def batch_from_records(records: Sequence[dict[str, Any]], *, seq_len: int, n_anc
     tops = {r[TOP_FIELDS[0]].shape[1] if TOP_FIELDS[0] in r else None for r in records}
     if len(tops) == 1 and None not in tops:  # else the step reads p_t through the target's head
         k = tops.pop()
-        side.update(target_top_ids=np.full((b, seq_len, k), -1, np.int32),
-                    target_top_logp=np.full((b, seq_len, k), -np.inf, np.float32))
+        side.update(target_top_ids=np.full((b, seq_len, k), EMPTY_SUMMARY.top_ids, np.int32),
+                    target_top_logp=np.full((b, seq_len, k), EMPTY_SUMMARY.top_logp, np.float32))
     for i, (rec, n) in enumerate(zip(records, tokens.lengths)):
         for name, arr in side.items():
             arr[i, :n] = np.asarray(rec[name][:n], arr.dtype)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from treespark_jax.drafter.model import TargetHead
+from treespark_jax.drafter.model import EMPTY_SUMMARY, TargetHead
 from treespark_jax.mesh import batch_sharding, replicated
 from treespark_jax.models.decoder import Decoder
 from treespark_jax.rollouts.features import causal_features
@@ -68,10 +68,11 @@ def target_batch(target: Decoder, head: TargetHead, batch: TokenBatch, layer_ids
     real = t < batch.lengths[:, None]
     first = jnp.where(jnp.any(batch.loss_mask, axis=1), jnp.argmax(batch.loss_mask, axis=1), batch.tokens.shape[1])
     stored = real & (t >= first_normalised_row(first)[:, None])  # rows whose normaliser a record stores
-    lse = jnp.where(stored, lse, 0).astype(jnp.float32)
-    top = jnp.where(stored, top, jnp.where(real, -1, 0)).astype(jnp.int32)
-    ids = jnp.where(stored[..., None], ids, -1)
-    logp = jnp.where(stored[..., None], logp, -jnp.inf)
+    empty = EMPTY_SUMMARY
+    lse = jnp.where(stored, lse, empty.lse).astype(jnp.float32)
+    top = jnp.where(stored, top, jnp.where(real, empty.top, 0)).astype(jnp.int32)
+    ids = jnp.where(stored[..., None], ids, empty.top_ids)
+    logp = jnp.where(stored[..., None], logp, empty.top_logp)
     features = jnp.where(real[..., None], features.astype(jnp.float32), 0)
     hidden = jnp.where(real[..., None], hidden.astype(jnp.float32), 0)
     return TrainBatch.of(batch, features, hidden, lse, top, ids, logp)
