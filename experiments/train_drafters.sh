@@ -2,8 +2,9 @@
 # Trained drafters for the smollm2-135m preset (DESIGN.md §1.4, issue 6), stage by stage:
 #   1. rollouts of the target on the training prompts (HumanEval, GSM8K, MT-Bench train splits, and
 #      with SELF > 0 that many chat prompts the target writes itself: `treespark self-prompts`; with
-#      SELF_CODE > 0 that many code prompts it writes after the HumanEval wrapper, `--user-prefix`; with
-#      SAMPLES > 0 that many sampled answers to each training prompt of SAMPLE_SETS)
+#      SELF_CODE > 0 that many code prompts it writes after the HumanEval wrapper, `--user-prefix`, and with
+#      SELF_MATH > 0 that many word problems it writes after the GSM8K one; with SAMPLES > 0 that many sampled
+#      answers to each training prompt of SAMPLE_SETS)
 #   2. a dflash drafter and a dspark drafter on the same data for the same steps, each trained on its
 #      draft vocabulary (the DRAFT_VOCAB most frequent tokens of the training rollouts), drawing math, code and
 #      chat records a third each (MIX, which every training stage follows)
@@ -41,6 +42,9 @@ REPLAY=${REPLAY:-1}             # onpolicy stage: 1 replays greedy trees from th
 TREE_SHARE=${TREE_SHARE:-0.5}  # treespark stages: share of every batch's sequences drawn from on-policy records
 SELF=${SELF:-4000}             # self-generated chat prompts (DESIGN.md §1.4)
 SELF_CODE=${SELF_CODE:-1000}   # self-generated code prompts (HumanEval has 132 training prompts; code needs more)
+# self-generated math word problems: GSM8K's 1,287 training prompts are fit far past its eval split (SAMPLES,
+# below); the target's answers to questions it wrote itself are more contexts of its own math answers
+SELF_MATH=${SELF_MATH:-0}
 # SAMPLES sampled rollouts (temperature SAMPLE_TEMP, seeds 1..SAMPLES) of every training prompt of SAMPLE_SETS: more
 # contexts of the target's own answers where a set's train split is small. GSM8K's 1,287 are fit far past its eval
 # split (treespark 20×: replayed τ 3.38 on 32 train rollouts, 2.83 on the eval ones; dspark 2.66 / 2.45).
@@ -69,6 +73,7 @@ plain() { for s in $SETS; do echo "$DATA/rollouts-$s-$1"; done; }
 self_rollouts() {
   if [ "$SELF" -gt 0 ]; then echo "$DATA/rollouts-self$SELF-train"; fi
   if [ "$SELF_CODE" -gt 0 ]; then echo "$DATA/rollouts-selfcode$SELF_CODE-train"; fi
+  if [ "$SELF_MATH" -gt 0 ]; then echo "$DATA/rollouts-selfmath$SELF_MATH-train"; fi
 }
 sampled_dir() { echo "$DATA/rollouts-$1-train-t$SAMPLE_TEMP-s$2"; }  # set $1's sampled answers of seed $2
 sampled() {
@@ -84,7 +89,7 @@ train_plain() { plain train; self_rollouts; sampled; }  # the sets' train splits
 MIX=${MIX:-domains}
 domain_of() {  # the domain of plain rollout directory $1, by its name (one with trees: the manifest says so)
   case "$(basename "$1")" in
-    rollouts-gsm8k-*) echo math ;;
+    rollouts-gsm8k-* | rollouts-selfmath*) echo math ;;
     rollouts-humaneval-* | rollouts-selfcode*) echo code ;;
     *) echo chat ;;
   esac
@@ -129,6 +134,7 @@ stage_rollouts() {
       --out "$DATA/rollouts-self$SELF-train"
   fi
   stage_selfcode
+  stage_selfmath
   stage_sampled
 }
 stage_sampled() {  # SAMPLES sampled answers to each training prompt of SAMPLE_SETS (none by default)
@@ -139,15 +145,26 @@ stage_sampled() {  # SAMPLES sampled answers to each training prompt of SAMPLE_S
     done
   done
 }
-stage_selfcode() {  # code prompts: the target continues the HumanEval wrapper from "def" (prompts.sets.WRAPPERS)
-  [ "$SELF_CODE" -gt 0 ] || return 0
-  local prefix
-  # (printed with the "def" after it: $(...) would strip the wrapper's trailing newline)
-  prefix="$($PY -c 'from treespark_jax.prompts.sets import WRAPPERS; print(WRAPPERS["humaneval"].partition("{code}")[0] + "def", end="")')"
-  [ -f "$DATA/self-code-$SELF_CODE.jsonl" ] || $T self-prompts --limit "$SELF_CODE" --seed 0 --batch-size "$RBATCH" \
-    --max-new-tokens 128 --user-prefix "$prefix" --json-out "$DATA/self-code-$SELF_CODE.jsonl"
-  $T rollout --prompts "$DATA/self-code-$SELF_CODE.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
-    --out "$DATA/rollouts-selfcode$SELF_CODE-train"
+self_set() {  # $3 prompts the target writes after prompt set $2's wrapper and $4, and their rollouts; $5...: more
+  local kind=$1 set=$2 n=$3 prefix  # `self-prompts` flags
+  [ "$n" -gt 0 ] || return 0
+  # (printed with an "x" after it, then cut: $(...) would strip the wrapper's trailing newlines)
+  prefix="$($PY -c 'import sys; from treespark_jax.prompts.sets import WRAPPERS
+print(WRAPPERS[sys.argv[1]].partition("{")[0] + sys.argv[2], end="x")' "$set" "$4")"
+  prefix=${prefix%x}
+  shift 4
+  [ -f "$DATA/self-$kind-$n.jsonl" ] || $T self-prompts --limit "$n" --seed 0 --batch-size "$RBATCH" \
+    --max-new-tokens 128 --user-prefix "$prefix" "$@" --json-out "$DATA/self-$kind-$n.jsonl"
+  $T rollout --prompts "$DATA/self-$kind-$n.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
+    --out "$DATA/rollouts-self$kind$n-train"
+}
+stage_selfcode() { self_set code humaneval "$SELF_CODE" def; }  # the target continues the code block from "def"
+stage_selfmath() {  # the target writes the question on from the first two words of a GSM8K training question
+  local starts="$DATA/gsm8k-train-starts.txt"
+  [ -f "$starts" ] || $PY -c 'import sys; from treespark_jax.prompts.load import load_prompts
+print("\n".join(" ".join(r.meta["raw"].split()[:2]) for r in load_prompts("gsm8k", "train")))' > "$starts.tmp"
+  [ -f "$starts" ] || mv "$starts.tmp" "$starts"
+  self_set math gsm8k "$SELF_MATH" "" --starts "$starts" --temperature 0.7 --top-p 0.9
 }
 stage_dflash() { local data; data=$(mix 0 $(train_plain)); $T train $data --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }
 stage_dspark() {

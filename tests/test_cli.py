@@ -223,6 +223,11 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     assert len({r.turns[0] for r in records}) == 3 and all(r.turns[0].strip() for r in records)
     again = tmp_path / "again.jsonl"
     assert main(args + ["--json-out", str(again)]) == 0 and again.read_text() == out.read_text()  # seeded
+    starts = tmp_path / "starts.txt"
+    starts.write_text("Tom has\nA bakery\n")
+    started = tmp_path / "started.jsonl"
+    assert main(args + ["--user-prefix", "Q: ", "--starts", str(starts), "--json-out", str(started)]) == 0
+    assert [r.turns[0][:9] for r in load_prompts(started)] == ["Q: Tom ha", "Q: A bake", "Q: Tom ha"]
     before = out.read_text()
     assert main(args + ["--json-out", str(out)]) == 2  # never overwritten
     assert "already exists" in capsys.readouterr().err and out.read_text() == before
@@ -245,8 +250,16 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     (["--limit", "2", "--batch-size", "0"], "--batch-size 0 must be at least 1"),
     (["--limit", "2", "--temperature", "0"], "--temperature 0.0 must be above 0"),
     (["--limit", "2", "--top-p", "1.5"], "--top-p 1.5"),
+    (["--limit", "2", "--starts", "{tmp}/none.txt"], "none.txt cannot be read as UTF-8 text (FileNotFoundError)"),
+    (["--limit", "2", "--starts", "{tmp}/empty.txt"], "empty.txt has no lines; give one start per line"),
+    (["--limit", "2", "--starts", "{tmp}/blank.txt"], "line 2 of --starts {tmp}/blank.txt is blank"),
+    (["--limit", "2", "--starts", "{tmp}/bytes.txt"], "bytes.txt cannot be read as UTF-8 text (UnicodeDecodeError)"),
 ])
 def test_self_prompts_bad_input_is_one_sentence_and_exit_2(capsys, tmp_path, flags, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("Tom has\n \nAnn\n")
+    (tmp_path / "bytes.txt").write_bytes(b"Tom \xff\n")
+    flags, message = [f.format(tmp=tmp_path) for f in flags], message.format(tmp=tmp_path)
     out = tmp_path / "p.jsonl"
     assert main(["self-prompts", "--preset", "no-such-model", *flags, "--json-out", str(out)]) == 2  # before any load
     err = capsys.readouterr().err.strip()

@@ -314,6 +314,30 @@ def test_a_user_prefix_starts_every_turn_and_the_target_continues_it(tiny_lm):
     assert [r.turns[0][len(prefix):].strip() for r in steered] != [r.turns[0] for r in plain]
 
 
+def test_starts_vary_the_steer_by_row_and_a_progress_file_keeps_them(tiny_lm, tmp_path):
+    kw = dict(max_new_tokens=12, batch_size=4, seed=7, user_prefix="Q: ")
+    out = self_generated_prompts(tiny_lm, 8, starts=["Tom has", "A bakery", "Ann"], **kw)
+    assert len(out) == 8
+    for r in out:  # row i (its id's last part) begins with the prefix and start i mod 3
+        row = int(r.id.rsplit("/", 1)[1])
+        assert r.turns[0].startswith("Q: " + ("Tom has", "A bakery", "Ann")[row % 3])
+        assert len(r.turns[0]) > len("Q: " + ("Tom has", "A bakery", "Ann")[row % 3])
+    # One empty start is no start; the start is what the target conditions on.
+    assert self_generated_prompts(tiny_lm, 4, starts=[""], **kw) == self_generated_prompts(tiny_lm, 4, **kw)
+    ann = self_generated_prompts(tiny_lm, 4, starts=["Ann"], **kw)
+    plain = self_generated_prompts(tiny_lm, 4, **kw)
+    assert [r.turns[0][len("Q: Ann"):].strip() for r in ann] != [r.turns[0][len("Q: "):] for r in plain]
+    progress = tmp_path / "p.jsonl.progress"
+    assert self_generated_prompts(tiny_lm, 4, starts=["Ann"], progress=progress, **kw) == ann
+    for other in (["Bob"], []):  # other starts, or none against some
+        with pytest.raises(ValueError, match=r"other settings \(other starts\); repeat them"):
+            self_generated_prompts(tiny_lm, 4, starts=other, progress=progress, **kw)
+    for bad, match in (("Ann", "must be a sequence of strings"), (["Ann", 3], "must be a sequence of strings"),
+                       (["Ann", "x<|im_end|>"], r"starts\[1\] 'x<\|im_end\|>' holds the special token")):
+        with pytest.raises(ValueError, match=match):
+            self_generated_prompts(tiny_lm, 4, starts=bad, **kw)
+
+
 def test_the_sampling_temperature_and_top_p_reach_the_target(tiny_lm):
     kw = dict(max_new_tokens=12, batch_size=4, seed=7)
     hot = self_generated_prompts(tiny_lm, 4, **kw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from treespark_jax.cli.common import (add_mesh_arg, add_sampling_args, add_target_args, check_at_least,
                                       check_out_file, named_by_flag, path_arg, target_name)
@@ -30,9 +31,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--user-prefix", default="", metavar="TEXT",
                     help="text every user turn starts with, the target writing the rest (e.g. a prompt set's "
                          "wrapper up to where its own text begins, for prompts of that form)")
+    sp.add_argument("--starts", metavar="FILE", type=path_arg,
+                    help="UTF-8 text file of starts, one per line: row i's turn begins with --user-prefix and "
+                         "then line i mod N (e.g. the first words of a set's questions, for prompts of its kind)")
     sp.add_argument("--drop-unfinished", action="store_true",
                     help="also drop turns cut at --max-new-tokens before the end-of-turn token")
     add_mesh_arg(sp)
+
+
+def _read_starts(path: str | None) -> list[str]:
+    """The lines of a ``--starts`` file (none without one).
+
+    Raises:
+      ValueError: the file cannot be read as UTF-8 text, has no line, or has a blank one.
+    """
+    if path is None:
+        return []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--starts {path} cannot be read as UTF-8 text ({e.__class__.__name__}).") from None
+    blank = next((i for i, line in enumerate(lines, 1) if not line.strip()), None)
+    if not lines or blank is not None:
+        raise ValueError(f"--starts {path} has no lines; give one start per line." if not lines else
+                         f"line {blank} of --starts {path} is blank; give one non-blank start per line.")
+    return lines
 
 
 def run(args: argparse.Namespace) -> None:
@@ -43,17 +66,17 @@ def run(args: argparse.Namespace) -> None:
     prompt file is written.
 
     Raises:
-      ValueError: ``--limit``, ``--max-new-tokens`` or ``--batch-size`` below 1, a ``--seed`` outside 0..``MAX_SEED``,
-        a ``--temperature`` not above 0, a ``--top-p`` outside (0, 1],
-        a ``--json-out`` that exists or whose folder does not (all before the target loads), a bad
-        ``--mesh``, a target without a chat template, a ``--user-prefix`` holding a special token, a
-        progress file of other flags or another target, or in use by another run, or no usable user
-        turn at all (no prompt file is written).
+      ValueError: ``--limit``, ``--max-new-tokens`` or ``--batch-size`` below 1, a ``--seed`` outside
+        0..``MAX_SEED``, a ``--temperature`` not above 0, a ``--top-p`` outside (0, 1], a ``--json-out``
+        that exists or whose folder does not, a ``--starts`` file that is unreadable, empty or has a
+        blank line (all before the target loads), a bad ``--mesh``, a target without a chat template,
+        a ``--user-prefix`` or start holding a special token, a progress file of other flags or
+        another target, or in use by another run, or no usable user turn at all (no prompt file is
+        written).
     """
     import dataclasses
     import json
     import time
-    from pathlib import Path
 
     from treespark_jax.api import load
     from treespark_jax.drafter.checkpoint import TargetBinding
@@ -65,6 +88,7 @@ def run(args: argparse.Namespace) -> None:
     with named_by_flag(seed="--seed", temperature="--temperature", top_p="--top-p"):
         check_turn_sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     check_out_file("--json-out", args.json_out)
+    starts = _read_starts(args.starts)
     out = Path(args.json_out)
     if out.exists():
         raise ValueError(f"--json-out {args.json_out} already exists; remove it or choose another file.")
@@ -74,7 +98,7 @@ def run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     records = self_generated_prompts(lm, args.limit, seed=args.seed, max_new_tokens=args.max_new_tokens,
                                      batch_size=args.batch_size, temperature=args.temperature,
-                                     top_p=args.top_p, user_prefix=args.user_prefix,
+                                     top_p=args.top_p, user_prefix=args.user_prefix, starts=starts,
                                      drop_unfinished=args.drop_unfinished, progress=progress,
                                      target=dataclasses.asdict(TargetBinding.of(lm.target)))
     seconds = time.perf_counter() - start

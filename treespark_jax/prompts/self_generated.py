@@ -8,11 +8,12 @@ text from there at temperature 1 until its end-of-turn token. See :func:`self_ge
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -100,8 +101,8 @@ class _Progress:
         differ = [k for k in settings if stored.get(k) != settings[k]]
         if differ:
             raise ValueError(f"progress file {str(self.path)!r} was written with other settings ("
-                             + ", ".join("another target" if k == "target" else f"{k}={stored.get(k)!r}"
-                                         for k in differ)
+                             + ", ".join({"target": "another target", "starts": "other starts"}.get(
+                                             k, f"{k}={stored.get(k)!r}") for k in differ)
                              + "); repeat them, or remove the file to start over.")
         if len(whole) < len(data):  # a line cut by a kill: appending goes on after the last whole one
             with open(self.path, "r+b") as f:
@@ -121,6 +122,11 @@ class _Progress:
         self.release()
 
 
+def _digest(starts: Sequence[str]) -> str | None:
+    """How a progress file records ``starts``: a sha256 of the list, None when there is none."""
+    return hashlib.sha256(json.dumps(list(starts)).encode()).hexdigest() if starts else None
+
+
 def check_turn_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
     """The sampling settings of :func:`self_generated_prompts`: those every decode checks
     (``decode.engine.check_sampling``) and a temperature above 0 (at 0 every row writes the same turn).
@@ -137,8 +143,8 @@ def check_turn_sampling(max_new_tokens: int, temperature: float, top_p: float, s
 
 def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: int = 64,
                            batch_size: int = 8, temperature: float = 1.0, top_p: float = 1.0,
-                           system: str | None = None, user_prefix: str = "", drop_unfinished: bool = False,
-                           max_rows: int | None = None,
+                           system: str | None = None, user_prefix: str = "", starts: Sequence[str] = (),
+                           drop_unfinished: bool = False, max_rows: int | None = None,
                            progress: str | Path | None = None, target: dict[str, Any] | None = None
                            ) -> list[PromptRecord]:
     """User turns written by the instruct target itself from its own chat template (DESIGN §1.4).
@@ -150,7 +156,11 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
     prompts are kept or at least ``max_rows`` rows were drawn. A ``user_prefix`` steers the kind
     of prompt, as Magpie's task-specific pre-queries do (Xu et al. 2024): with a set's wrapper
     (``prompts.sets.WRAPPERS``) up to where its own text begins, the target writes prompts of
-    that set's form (``experiments/train_drafters.sh`` makes code prompts this way).
+    that set's form (``experiments/train_drafters.sh`` makes code prompts this way). ``starts``
+    varies the steer by row: row ``i`` begins with ``user_prefix + starts[i % len(starts)]``. With
+    the GSM8K wrapper and the first two words of each GSM8K training question ("Tom has", "A
+    bakery"), the 135 M target writes GSM8K-style word problems, which it does not from the wrapper
+    alone (docs/training.md; ``train_drafters.sh``'s ``SELF_MATH``).
 
     Row ``i`` samples with the seed ``SeedSequence([seed, i])`` (one uint32), so the same
     ``seed``, settings and target give the same prompts, and (same ``batch_size``) a larger ``n``
@@ -170,6 +180,8 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       top_p: nucleus mass in ``(0, 1]``.
       system: system message to render before the user turn; None uses the template's default.
       user_prefix: text every user turn starts with; the target writes the rest.
+      starts: text each row adds after ``user_prefix``, row ``i`` ``starts[i % len(starts)]``;
+        empty (the default) adds none.
       drop_unfinished: also drop turns that hit ``max_new_tokens`` before the end-of-turn token.
       max_rows: rows to draw before giving up, rounded up to whole batches; default
         ``4 * n + batch_size``.
@@ -187,9 +199,9 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
       warning) if ``max_rows`` rows did not yield ``n`` distinct non-empty turns.
 
     Raises:
-      ValueError: bad arguments (``temperature`` ≤ 0 among them), a ``user_prefix`` holding a special
-        token, a chat template without a user-turn header, or a ``progress`` file written with other settings or
-        ``target``, or open in another process.
+      ValueError: bad arguments (``temperature`` ≤ 0 among them), a ``user_prefix`` or start holding a
+        special token, ``starts`` given as one string, a chat template without a user-turn header, or
+        a ``progress`` file written with other settings or ``target``, or open in another process.
     """
     from treespark_jax.decode.engine import Engine  # the decode stack is only needed here
 
@@ -203,13 +215,20 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
     tokenizer = lm.tokenizer
     engine = getattr(lm, "engine", None) or Engine(lm.model, tokenizer.stop_ids)
     special = check_user_prefix(tokenizer, user_prefix)
-    header = tokenizer.encode(user_turn_prefix(tokenizer, system) + user_prefix, add_special_tokens=False)
+    if isinstance(starts, str) or not all(isinstance(s, str) for s in starts):
+        raise ValueError(f"starts={starts!r} must be a sequence of strings (one per row, cycled).")
+    leads = [user_prefix + s for s in starts] or [user_prefix]  # row i begins with leads[i % len(leads)]
+    for i, start in enumerate(starts):
+        check_user_prefix(tokenizer, start, f"starts[{i}]")
+    turn = user_turn_prefix(tokenizer, system)
+    headers = {lead: tokenizer.encode(turn + lead, add_special_tokens=False) for lead in leads}
 
     log = None
     if progress is not None:  # n and max_rows may change on resume: the rows drawn do not depend on them
         log = _Progress(Path(progress), dict(seed=seed, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                              temperature=temperature, top_p=top_p, system=system,
-                                             user_prefix=user_prefix, drop_unfinished=drop_unfinished, target=target))
+                                             user_prefix=user_prefix, starts=_digest(starts),
+                                             drop_unfinished=drop_unfinished, target=target))
     # Every usable turn of a drawn batch is kept, in row order, and the first n are returned, so
     # a progress file serves a resumed run with a larger n as well.
     kept: dict[str, PromptRecord] = {} if log is None else log.kept
@@ -218,15 +237,16 @@ def self_generated_prompts(lm: Any, n: int, *, seed: int = 0, max_new_tokens: in
         while len(kept) < n and row < max_rows:
             rows = range(row, row + batch_size)  # full batches: a row's draw never depends on n
             seeds = [int(np.random.SeedSequence([seed, i]).generate_state(1)[0]) for i in rows]
-            out, _ = engine.generate([header] * len(rows), max_new_tokens, temperature, top_p, seeds)
+            lead = [leads[i % len(leads)] for i in rows]
+            out, _ = engine.generate([headers[t] for t in lead], max_new_tokens, temperature, top_p, seeds)
             added = []
-            for i, row_seed, ids in zip(rows, seeds, out):
+            for i, row_seed, ids, row_lead in zip(rows, seeds, out, lead):
                 cut = next((k for k, t in enumerate(ids) if t in special), len(ids))
                 finished = cut < len(ids)
                 sample = tokenizer.decode(ids[:cut])
                 if not finished:  # a turn cut at max_new_tokens can end inside a character's bytes
                     sample = sample.rstrip("\ufffd")
-                text = (user_prefix + sample).strip()
+                text = (row_lead + sample).strip()
                 if sample.strip() and text not in kept and (finished or not drop_unfinished):
                     kept[text] = PromptRecord("self", f"self/{seed}/{i}", (text,),
                                               {"raw": text, "seed": row_seed, "finished": finished})
