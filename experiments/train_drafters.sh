@@ -155,6 +155,9 @@ print(WRAPPERS[sys.argv[1]].partition("{")[0] + sys.argv[2], end="x")' "$set" "$
   shift 4
   [ -f "$DATA/self-$kind-$n.jsonl" ] || $T self-prompts --limit "$n" --seed 0 --batch-size "$RBATCH" \
     --max-new-tokens 128 --user-prefix "$prefix" "$@" --json-out "$DATA/self-$kind-$n.jsonl"
+  # the prompts sharing 8 consecutive words with one of the set's eval questions (a leak to remove if any)
+  [ -f "$DATA/self-$kind-$n.overlap.json" ] || $PY experiments/eval_overlap.py "$DATA/self-$kind-$n.jsonl" "$set" \
+    --json-out "$DATA/self-$kind-$n.overlap.json"
   $T rollout --prompts "$DATA/self-$kind-$n.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
     --out "$DATA/rollouts-self$kind$n-train"
 }
