@@ -145,8 +145,10 @@ stage_sampled() {  # SAMPLES sampled answers to each training prompt of SAMPLE_S
     done
   done
 }
-self_set() {  # $3 prompts the target writes after prompt set $2's wrapper and $4, and their rollouts; $5...: more
-  local kind=$1 set=$2 n=$3 prefix  # `self-prompts` flags
+# $3 prompts the target writes after prompt set $2's wrapper and the start $4 ($5...: more `self-prompts` flags),
+# the check of them against the set's eval split, and their rollouts; $1 names the files (self-$1-$3.jsonl)
+self_set() {
+  local kind=$1 set=$2 n=$3 prefix
   [ "$n" -gt 0 ] || return 0
   # (printed with an "x" after it, then cut: $(...) would strip the wrapper's trailing newlines)
   prefix="$($PY -c 'import sys; from treespark_jax.prompts.sets import WRAPPERS
@@ -155,7 +157,7 @@ print(WRAPPERS[sys.argv[1]].partition("{")[0] + sys.argv[2], end="x")' "$set" "$
   shift 4
   [ -f "$DATA/self-$kind-$n.jsonl" ] || $T self-prompts --limit "$n" --seed 0 --batch-size "$RBATCH" \
     --max-new-tokens 128 --user-prefix "$prefix" "$@" --json-out "$DATA/self-$kind-$n.jsonl"
-  # the prompts sharing 8 consecutive words with one of the set's eval questions (a leak to remove if any)
+  # the prompts that share 8 consecutive words with one of the set's eval questions (a leak, if there are any)
   [ -f "$DATA/self-$kind-$n.overlap.json" ] || $PY experiments/eval_overlap.py "$DATA/self-$kind-$n.jsonl" "$set" \
     --json-out "$DATA/self-$kind-$n.overlap.json"
   $T rollout --prompts "$DATA/self-$kind-$n.jsonl" --max-new-tokens "$NEW" --batch-size "$RBATCH" \
@@ -164,7 +166,7 @@ print(WRAPPERS[sys.argv[1]].partition("{")[0] + sys.argv[2], end="x")' "$set" "$
 stage_selfcode() { self_set code humaneval "$SELF_CODE" def; }  # the target continues the code block from "def"
 stage_selfmath() {  # the target writes the question on from the first two words of a GSM8K training question
   local starts="$DATA/gsm8k-train-starts.txt"
-  [ -f "$starts" ] || $PY -c 'import sys; from treespark_jax.prompts.load import load_prompts
+  [ -f "$starts" ] || $PY -c 'from treespark_jax.prompts.load import load_prompts
 print("\n".join(" ".join(r.meta["raw"].split()[:2]) for r in load_prompts("gsm8k", "train")))' > "$starts.tmp"
   [ -f "$starts" ] || mv "$starts.tmp" "$starts"
   self_set math gsm8k "$SELF_MATH" "" --starts "$starts" --temperature 0.7 --top-p 0.9
