@@ -59,29 +59,39 @@ def _round_dir(data: Path, temp: str, r: int) -> Path:
 
 def rounds(data: Path, temp: str = "0") -> list[dict]:
     """Every round at temperature ``temp`` with scored runs: ``{"round", "records", "tokens", "replayed", "start":
-    scores | None, "runs": {(variant, seed): scores | steps}}`` (``replayed``: the round's trees were replayed along
-    plain rollouts, not decoded), in round order."""
+    scores | None, "init": str | None, "runs": {(variant, seed): scores | steps}}`` (``replayed``: the round's trees
+    were replayed along plain rollouts, not decoded; ``init``: the start drafter's path, as its runs record it), in
+    round order."""
     out = []
     r = 1
     while _round_dir(data, temp, r).is_dir():
         d = _round_dir(data, temp, r)
-        runs = {}
+        runs, init = {}, None
         for folder in sorted(d.glob("*-s*")):
             variant, _, seed = folder.name.rpartition("-s")
             scores = _scores(folder)
             if variant in VARIANTS and seed.isdigit() and scores is not None:
-                steps = json.loads((folder / "run.json").read_text())["train"]["steps"]
-                runs[(variant, int(seed))] = {**scores, "steps": steps}
+                run = json.loads((folder / "run.json").read_text())
+                runs[(variant, int(seed))] = {**scores, "steps": run["train"]["steps"]}
+                init = init or run.get("init")
         replayed = sorted(d.glob("replay-*/manifest.json"))
         trees = [json.loads(m.read_text()) for m in sorted([*d.glob("onpolicy/manifest.json"), *replayed])]
         start = _scores(d / "start") if r == 1 else _scores(_round_dir(data, temp, r - 1) / "treespark-s0")
         if runs or start:
             out.append({"round": r, "records": sum(m["records"] for m in trees) if trees else None,
                         "tokens": sum(m["response_tokens"] for m in trees) if trees else None,
-                        "replayed": bool(replayed),
-                        "start": start, "runs": runs})
+                        "replayed": bool(replayed), "start": start, "init": init, "runs": runs})
         r += 1
     return out
+
+
+def _first_start(init: str | None) -> str:
+    """Round 1's start drafter as the table names it: a shipped one (``ITER_START`` under the package's
+    ``drafters/``) by its name, else the treespark stage's run."""
+    shipped = "treespark_jax/drafters/"
+    if init and shipped in init:
+        return f"start (the shipped `{init.rpartition(shipped)[2]}` drafter)"
+    return "start (the treespark stage's drafter)"
 
 
 def _row(temp: str, rnd: int, name: str, seed, steps, s: dict) -> str:
@@ -124,8 +134,8 @@ def iterate_table(data: Path) -> str | None:
              f"| online τ ({budget}) | edge ECE |", "|---|---|---|---|---|---|---|---|---|---|"]
     for temp, rnd in scored:
         if rnd["start"]:
-            name = "start (the treespark stage's drafter)" if rnd["round"] == 1 else \
-                f"start (round {rnd['round'] - 1}'s treespark, seed 0)"
+            name = f"start (round {rnd['round'] - 1}'s treespark, seed 0)" if rnd["round"] > 1 else \
+                _first_start(rnd["init"])
             lines.append(_row(temp, rnd["round"], name, "—", "—", rnd["start"]))
         for (variant, seed), s in sorted(rnd["runs"].items(), key=lambda kv: (kv[0][1], kv[0][0] != "treespark")):
             lines.append(_row(temp, rnd["round"], variant, seed, s["steps"], s))

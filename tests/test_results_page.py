@@ -247,7 +247,7 @@ def test_tau_equal_budget_runs_over_other_sets_add_up_at_the_same_protocol():
     assert list(first["rows"]) == ["gsm8k", "humaneval"]  # the old page is not modified
 
 
-def _scored(folder, chain, tree, online, steps=None, replayed=None):
+def _scored(folder, chain, tree, online, steps=None, replayed=None, init=None):
     folder.mkdir(parents=True)
     calibration = {"count": [[10.0, 10.0]], "predicted": [[2.0, 8.0]], "accepted": [[1.0, 9.0]]}  # ECE 0.1
     ev = {"chain_tau": chain, "tree_tau": tree, "budget": 16, "calibration": calibration}
@@ -257,7 +257,7 @@ def _scored(folder, chain, tree, online, steps=None, replayed=None):
     (folder / "bench.json").write_text(json.dumps({"rows": [_row("ar", None, 1.0, 1.0, 0.0),
                                                             _row("treespark", 16, online, 1.1, 0.1)]}))
     if steps is not None:
-        (folder / "run.json").write_text(json.dumps({"train": {"steps": steps}}))
+        (folder / "run.json").write_text(json.dumps({"train": {"steps": steps}, **({"init": init} if init else {})}))
 
 
 def test_iterated_loop_table_compares_each_seed_with_its_control(iterate, page, tmp_path):
@@ -273,7 +273,8 @@ def test_iterated_loop_table_compares_each_seed_with_its_control(iterate, page, 
     (r1 / "onpolicy" / "manifest.json").write_text(json.dumps({"records": 128, "response_tokens": 24717}))
     _scored(data / "iter-r2" / "treespark-s0", 2.4, 2.9, 3.0, steps=600)  # its control not scored yet
     _scored(data / "iter-t1-r1" / "start", 2.0, 2.5, 2.2)  # ITER_TEMP=1: its own start, online at temperature 1
-    _scored(data / "iter-t1-r1" / "control-s0", 2.0, 2.5, 2.1, steps=600)
+    _scored(data / "iter-t1-r1" / "control-s0", 2.0, 2.5, 2.1, steps=600,
+            init="/work/x/treespark_jax/drafters/smollm2-135m/treespark")  # ITER_START: the shipped drafter
     _scored(data / "iter-t1-r1" / "treespark-s0", 2.0004, 2.5, 2.3, steps=600)  # chain τ +0.0004: equal
     r3 = data / "iter-r3"  # trees replayed along plain rollouts (ITER_TEMP=0, REPLAY=1), eval.json with replayed τ
     for name, tree, replayed in (("treespark-s0", 3.0, 2.6), ("control-s0", 3.1, 2.5)):
@@ -290,7 +291,8 @@ def test_iterated_loop_table_compares_each_seed_with_its_control(iterate, page, 
     assert "| 0 | 1 | start (the treespark stage's drafter) | — | — | 2.000 | 2.500 | — | 2.600 | 0.100 |" in table
     assert "| 0 | 1 | treespark | 1 | 600 | 2.200 | 2.800 | — | 2.700 | 0.100 |" in table
     assert "| 0 | 2 | start (round 1's treespark, seed 0) | — | — | 2.100 | 2.700 | — | 2.800 | 0.100 |" in table
-    assert "| 1 | 1 | start (the treespark stage's drafter) | — | — | 2.000 | 2.500 | — | 2.200 | 0.100 |" in table
+    assert ("| 1 | 1 | start (the shipped `smollm2-135m/treespark` drafter) | — | — | 2.000 | 2.500 | — | 2.200 "
+            "| 0.100 |") in table
     assert ("- Temp 0, round 1 (128 on-policy GSM8K rollouts, 24,717 response tokens), tree terms minus control: "
             "offline tree τ higher in every seed (+0.100, +0.200; mean +0.150); offline chain τ mixed (+0.100, "
             "-0.100; mean +0.000); online τ mixed (-0.100, +0.100; mean +0.000).") in table
