@@ -240,6 +240,10 @@ def test_self_prompts_writes_a_prompt_file_that_rollout_reads(preset, capsys, tm
     assert main(args + special) == 2  # refused by its flag's name, nothing written
     err = capsys.readouterr().err.strip()
     assert "--user-prefix 'Write code.<|im_end|>' holds the special token" in err and "\n" not in err
+    starts.write_text("Tom has\nAnn<|im_end|>\n")
+    assert main(args + ["--starts", str(starts), "--json-out", str(none)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"line 2 of --starts {starts} 'Ann<|im_end|>' holds the special token" in err and "\n" not in err
     assert not none.exists() and not list(tmp_path.glob(".*partial"))
 
 

@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> None:
     progress = out.with_name(out.name + ".progress")
     lm = load(target_name(args), args.dtype, mesh=args.mesh)
     check_user_prefix(lm.tokenizer, args.user_prefix, "--user-prefix")
+    for i, line in enumerate(starts, 1):
+        check_user_prefix(lm.tokenizer, line, f"line {i} of --starts {args.starts}")
     start = time.perf_counter()
     records = self_generated_prompts(lm, args.limit, seed=args.seed, max_new_tokens=args.max_new_tokens,
                                      batch_size=args.batch_size, temperature=args.temperature,
