@@ -15,7 +15,8 @@
 #      tree slots stay empty
 #   5. offline evaluation of all three on the held-out (eval) split
 #   (ablate: treespark loss-term ablation for experiments/RESULTS.md; iterate: the iterated on-policy loop with
-#    its no-tree-terms controls, two seeds; neither is in the default stages)
+#    its no-tree-terms controls, two seeds; finetune: a longer fine-tune of a trained drafter; none of the three is
+#    in the default stages)
 #   6. export: the three drafters in bfloat16 into treespark_jax/drafters/smollm2-135m/ (shipped with
 #      the package)
 # Every stage resumes where it stopped when the script is run again (rollouts skip finished
@@ -276,6 +277,24 @@ iter_score() {  # offline and online τ of drafter $1 into $2/{eval,bench}.json 
     --budgets "$BUDGET" --drafter "treespark=$1" --no-skip-drafting --no-cost-aware-stop --repeats 1 \
     --temperature "$ITER_TEMP" --json-out "$2/bench.json"
 }
+replayed() {  # drafter $1's greedy treespark trees replayed from every plain train rollout of the ONPOLICY sets into
+  local s      # $2/replay-<set> (each resumed); prints those folders
+  for s in $ONPOLICY; do
+    $T replay --rollouts "$DATA/rollouts-$s-train" --drafter "$1" --method treespark --budget "$BUDGET" \
+      --batch-size 8 --out "$2/replay-$s" >&2
+    echo "$2/replay-$s"
+  done
+}
+# `treespark` training from drafter $1 with seed $2 for $3 steps at peak learning rate $4 into $5, the loss weights
+# $6 changed (as `weights` takes them), on the rollouts and mix of $7...; then its offline and online τ (iter_score)
+fine_tune() {
+  local start=$1 seed=$2 steps=$3 lr=$4 run=$5 terms=$6
+  shift 6
+  $T train "$@" --loss treespark --trees 4 --init "$start" --seed "$seed" --lr "$lr" --steps "$steps" \
+    --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 --log-every 10 $(weights $terms) \
+    --out "$run"
+  iter_score "$run/drafter" "$run"
+}
 stage_iterate() {
   local start="$ITER_START"
   for r in $(seq 1 "$ROUNDS"); do
@@ -283,12 +302,8 @@ stage_iterate() {
     if [ "$ITER_TEMP" != 0 ]; then dir="$DATA/iter-t$ITER_TEMP-r$r"; fi
     mkdir -p "$dir"
     local trees=""
-    if [ "$ITER_TEMP" = 0 ] && [ "$REPLAY" = 1 ]; then  # every plain train rollout of the ONPOLICY sets, replayed
-      for s in $ONPOLICY; do
-        $T replay --rollouts "$DATA/rollouts-$s-train" --drafter "$start" --method treespark --budget "$BUDGET" \
-          --batch-size 8 --out "$dir/replay-$s"
-        trees="$trees $dir/replay-$s"
-      done
+    if [ "$ITER_TEMP" = 0 ] && [ "$REPLAY" = 1 ]; then
+      trees=$(replayed "$start" "$dir")
     else
       $PY - "$dir/prompts.jsonl" "$(( (r - 1) * ITER_LIMIT ))" "$ITER_LIMIT" <<'PY'
 import json, sys
@@ -309,17 +324,29 @@ PY
     data=$(mix "$TREE_SHARE" $trees $(train_plain))
     for seed in $ITER_SEEDS; do
       for variant in treespark control; do
-        local run="$dir/$variant-s$seed" terms=""
+        local terms=""
         [ "$variant" = control ] && terms="$NO_TREE_TERMS"
-        $T train $data --loss treespark --trees 4 \
-          --init "$start" --seed "$seed" --lr "$ITER_LR" \
-          --steps "$ITER_STEPS" --batch-size "$BATCH" --seq-len "$SEQ" --anchors "$ANCHORS" --save-every 100 \
-          --log-every 10 $(weights $terms) --out "$run"
-        iter_score "$run/drafter" "$run"
+        fine_tune "$start" "$seed" "$ITER_STEPS" "$ITER_LR" "$dir/$variant-s$seed" "$terms" $data
       done
     done
     start="$dir/treespark-s0/drafter"
   done
+}
+
+# A longer fine-tune than a round's, for a drafter to ship: FT_STEPS steps at FT_LR from FT_INIT on its replayed
+# trees (as a round's at temperature 0) and every plain training rollout, SELF_MATH's and SAMPLES' among them, into
+# $DATA/$FT_NAME/{replay-<set>,run}, scored as the rounds' runs are (not in the default stages; export does not
+# read it). A round does not move its start (600 steps at 1e-4, docs/training.md); new math data at more steps may.
+FT_INIT=${FT_INIT:-treespark_jax/drafters/smollm2-135m/treespark}
+FT_STEPS=${FT_STEPS:-3000}
+FT_LR=${FT_LR:-1e-4}
+FT_NAME=${FT_NAME:-finetune}
+stage_finetune() {
+  local dir="$DATA/$FT_NAME" trees data
+  mkdir -p "$dir"
+  trees=$(replayed "$FT_INIT" "$dir")
+  data=$(mix "$TREE_SHARE" $trees $(train_plain))
+  fine_tune "$FT_INIT" 0 "$FT_STEPS" "$FT_LR" "$dir/run" "" $data
 }
 
 stage_export() {  # bfloat16 copies, each with the draft vocabulary it was trained on; a stage not run keeps its shipped one
