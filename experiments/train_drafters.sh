@@ -167,9 +167,11 @@ print(WRAPPERS[sys.argv[1]].partition("{")[0] + sys.argv[2], end="x")' "$set" "$
 stage_selfcode() { self_set code humaneval "$SELF_CODE" def; }  # the target continues the code block from "def"
 stage_selfmath() {  # the target writes the question on from the first two words of a GSM8K training question
   local starts="$DATA/gsm8k-train-starts.txt"
-  [ -f "$starts" ] || $PY -c 'from treespark_jax.prompts.load import load_prompts
+  if [ ! -f "$starts" ]; then  # written whole under its name
+    $PY -c 'from treespark_jax.prompts.load import load_prompts
 print("\n".join(" ".join(r.meta["raw"].split()[:2]) for r in load_prompts("gsm8k", "train")))' > "$starts.tmp"
-  [ -f "$starts" ] || mv "$starts.tmp" "$starts"
+    mv "$starts.tmp" "$starts"
+  fi
   self_set math gsm8k "$SELF_MATH" "" --starts "$starts" --temperature 0.7 --top-p 0.9
 }
 stage_dflash() { local data; data=$(mix 0 $(train_plain)); $T train $data --loss dflash $TRAIN_ARGS $VOCAB_ARGS --out "$DATA/dflash"; }

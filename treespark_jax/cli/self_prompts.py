@@ -51,10 +51,11 @@ def _read_starts(path: str | None) -> list[str]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--starts {path} cannot be read as UTF-8 text ({e.__class__.__name__}).") from None
+    if not lines:
+        raise ValueError(f"--starts {path} has no lines; give one start per line.")
     blank = next((i for i, line in enumerate(lines, 1) if not line.strip()), None)
-    if not lines or blank is not None:
-        raise ValueError(f"--starts {path} has no lines; give one start per line." if not lines else
-                         f"line {blank} of --starts {path} is blank; give one non-blank start per line.")
+    if blank is not None:
+        raise ValueError(f"line {blank} of --starts {path} is blank; give one non-blank start per line.")
     return lines
 
 

@@ -90,11 +90,10 @@ class FeatureLog:
         pad = ((0, 0), (0, capacity - output.hidden.shape[1]), (0, 0))
         lse, _, ids, logp = logits_summary(last_logits)
         k = ids.shape[-1]
-        empty = EMPTY_SUMMARY
         log = cls(features=jnp.pad(_bits(output.features), pad), hidden=jnp.pad(_hidden(output.hidden), pad),
-                  lse=jnp.full((b, capacity), empty.lse, jnp.float32),
-                  top_ids=jnp.full((b, capacity, k), empty.top_ids, jnp.int32),
-                  top_logp=jnp.full((b, capacity, k), empty.top_logp, jnp.float32))
+                  lse=jnp.full((b, capacity), EMPTY_SUMMARY.lse, jnp.float32),
+                  top_ids=jnp.full((b, capacity, k), EMPTY_SUMMARY.top_ids, jnp.int32),
+                  top_logp=jnp.full((b, capacity, k), EMPTY_SUMMARY.top_logp, jnp.float32))
         return log._put(jnp.arange(b), prompt_lens - 1, lse, ids, logp)
 
     def _put(self, rows, positions, lse, ids, logp) -> "FeatureLog":
