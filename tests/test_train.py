@@ -30,7 +30,7 @@ from treespark_jax.rollouts.reader import open_rollouts
 from treespark_jax.rollouts.records import RolloutError, StoredTrees, make_record
 from treespark_jax.rollouts.store import RolloutWriter
 from treespark_jax.rollouts.writer import record_arrays, tree_log
-from treespark_jax.train.data import data_iterator, train_dataset, tree_layout
+from treespark_jax.train.data import data_iterator, stored_top_k, train_dataset, tree_layout
 from treespark_jax.train.draft_vocab import frequency_ranked_vocab
 
 from tiny import write_tiny_hf_target
@@ -61,8 +61,9 @@ def _trees(tokens: np.ndarray, prompt_len: int, head: TargetHead, rng: np.random
 
 
 def write_tiny_rollouts(target, out: Path, *, records: int = 12, per_shard: int = 4, seed: int = 0,
-                        trees: bool = False) -> Path:
-    """Rollouts of random sequences (24–40 tokens, 6–10 of prompt) with the target's real features."""
+                        trees: bool = False, top_k_until: int | None = None) -> Path:
+    """Rollouts of random sequences (24–40 tokens, 6–10 of prompt) with the target's real features;
+    records from ``top_k_until`` on store no target top-k (as rollouts written before it)."""
     rng = np.random.default_rng(seed)
     writer = RolloutWriter(out, {"target": dataclasses.asdict(TargetBinding.of(target)), "layer_ids": list(LAYER_IDS),
                                  "d_model": target.cfg.d_model, "identity": {"test": seed}, "trees": trees})
@@ -72,7 +73,8 @@ def write_tiny_rollouts(target, out: Path, *, records: int = 12, per_shard: int 
         batch = []
         for i, (s, p, f) in enumerate(zip(seqs, lens, record_arrays(target.model, seqs, lens, LAYER_IDS))):
             logged = _trees(s, p, TargetHead.of(target.model, target.model.dtype), rng) if trees else None
-            batch.append(make_record(s, p, *f, prompt_set="test", prompt_id=f"r{start + i}", seed=0, temperature=0.0,
+            stored = f if top_k_until is None or start + i < top_k_until else f[:4]
+            batch.append(make_record(s, p, *stored, prompt_set="test", prompt_id=f"r{start + i}", seed=0, temperature=0.0,
                                      top_p=1.0, finished=True, trees=logged))
         writer.write_shard(batch)
     return out
@@ -411,6 +413,27 @@ def test_treespark_loss_trains_on_logged_trees(tmp_path, capsys, target):
     assert {"ce", "l1", "tree_tv", "tree_ce", "tree_coverage", "tree_edge"} <= set(row)
     meta = json.loads((out / "drafter" / "drafter.json").read_text())
     assert meta["drafter"]["edge_head"] and meta["training"]["loss"] == "treespark"
+
+
+def test_a_run_reads_the_stored_top_k_only_where_every_directory_stores_one(tmp_path, target, rollouts):
+    """Rollouts written before the top-k beside newer ones: the run reads p_t through the target's
+    head for every record, so every batch stacks (records of both kinds in one batch failed to
+    stack before); a directory whose later records lack the top-k its first one stores is
+    refused, naming the record."""
+    cfg = TrainConfig(batch=4, seq_len=40, anchors=3)
+    k = stored_top_k(open_rollouts(rollouts))
+    assert k == 64 and train_dataset(open_rollouts(rollouts), cfg)[0].target_top_ids.shape == (4, 40, k)
+    old = write_tiny_rollouts(target, tmp_path / "old", records=8, seed=2, top_k_until=0)
+    both = open_rollouts([rollouts, old])
+    assert stored_top_k(both) is None
+    ds = train_dataset(both, cfg)
+    batches = [ds[s] for s in range(5)]  # 20 records: every one of both directories drawn
+    assert all(b.target_top_ids is None and b.target_top_logp is None for b in batches)
+    torn = open_rollouts(write_tiny_rollouts(target, tmp_path / "torn", records=8, seed=3, top_k_until=4))
+    assert stored_top_k(torn) == k
+    with pytest.raises(RolloutError, match=r"rollout record 'r[4-7]' stores no target top-k where the first record "
+                                           r"of every directory stores a top-64; regenerate its directory\."):
+        [train_dataset(torn, cfg)[s] for s in range(2)]
 
 
 def test_mix_weights_draw_each_directory_in_proportion(tmp_path, capsys, target):

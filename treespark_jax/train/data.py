@@ -33,11 +33,11 @@ import numpy as np
 
 from treespark_jax.config import TrainConfig
 from treespark_jax.rollouts.reader import RolloutSet
-from treespark_jax.rollouts.records import RolloutError
+from treespark_jax.rollouts.records import TOP_FIELDS, RolloutError
 from treespark_jax.train.batches import TokenBatch, TrainBatch, batch_from_records, token_batch
 
-__all__ = ["check_mix_weights", "check_tree_budgets", "check_tree_share", "data_iterator", "train_dataset",
-           "tree_layout"]
+__all__ = ["check_mix_weights", "check_tree_budgets", "check_tree_share", "data_iterator", "stored_top_k",
+           "train_dataset", "tree_layout"]
 
 _ANCHOR_STREAM = 1  # purpose tag of the anchor/tree draws (``default_rng([seed, tag, e])``)
 
@@ -80,13 +80,47 @@ def _concat(parts: list[TrainBatch | TokenBatch]) -> TrainBatch | TokenBatch:
                            "budgets cannot be trained on together.") from e
 
 
+def _top_k_of(record: dict[str, Any]) -> int | None:
+    """The k of the target top-k ``record`` stores, or ``None`` (rollouts written before it)."""
+    return record[TOP_FIELDS[0]].shape[1] if TOP_FIELDS[0] in record else None
+
+
+def stored_top_k(rollouts: RolloutSet) -> int | None:
+    """The k of the target top-k that the records of every directory store (read from each one's
+    first record; every batch re-checks its records), or ``None`` when a directory's records store
+    none (rollout format 2, format 3 before 2026-12-06) or two directories store different k.
+
+    One decision for the whole run, so every batch has one structure: with ``None`` the step
+    reads ``p_t`` through the target's head for every record, the top-k of those that store one
+    left unread (docs/training.md, "``p_t`` from the rollout's top-k").
+    """
+    ks = {_top_k_of(rollouts[int(idx[0])]) for idx in rollouts.directory_records if len(idx)}
+    return ks.pop() if len(ks) == 1 else None
+
+
 class _MakeBatch:
     """``[(e, record)] → TrainBatch`` (``TokenBatch`` when ``online``; a picklable callable, for
-    Grain's worker processes)."""
+    Grain's worker processes); ``top_k`` is the run's ``stored_top_k`` (``None`` when ``online``)."""
 
-    def __init__(self, cfg: TrainConfig, n_trees: int, rule: str | None, budget: int, online: bool):
-        self.cfg, self.n_trees, self.rule, self.budget = cfg, n_trees, rule, budget
+    def __init__(self, cfg: TrainConfig, n_trees: int, rule: str | None, budget: int, online: bool,
+                 top_k: int | None):
+        self.cfg, self.n_trees, self.rule, self.budget, self.top_k = cfg, n_trees, rule, budget, top_k
         self.make = token_batch if online else batch_from_records
+
+    def _with_top_k(self, record: dict[str, Any]) -> dict[str, Any]:
+        """``record`` as the run reads it: its top-k dropped when the run reads none.
+
+        Raises:
+          RolloutError: the run reads a top-k and ``record`` stores none, or another k.
+        """
+        k = _top_k_of(record)
+        if k == self.top_k:
+            return record
+        if self.top_k is None:
+            return {name: value for name, value in record.items() if name not in TOP_FIELDS}
+        stored = "no target top-k" if k is None else f"a top-{k}"
+        raise RolloutError(f"rollout record {record['prompt_id']!r} stores {stored} where the first record of "
+                           f"every directory stores a top-{self.top_k}; regenerate its directory.")
 
     def __call__(self, items: list[tuple[int, dict[str, Any]]]) -> TrainBatch | TokenBatch:
         parts = []
@@ -95,7 +129,7 @@ class _MakeBatch:
                 raise RolloutError(f"rollout record {record['prompt_id']!r} holds trees verified with the "
                                    f"{record['trees']['rule']!r} rule, not {self.rule!r}; train on one rule at a time.")
             rng = np.random.default_rng([self.cfg.seed, _ANCHOR_STREAM, e])
-            parts.append(self.make([record], seq_len=self.cfg.seq_len, n_anchors=self.cfg.anchors,
+            parts.append(self.make([self._with_top_k(record)], seq_len=self.cfg.seq_len, n_anchors=self.cfg.anchors,
                                  n_trees=self.n_trees, tree_budget=self.budget, rng=rng))
         return _concat(parts)
 
@@ -202,7 +236,8 @@ def train_dataset(rollouts: RolloutSet, cfg: TrainConfig, *, n_trees: int = 0, r
     if cfg.batch % n:
         raise ValueError(f"batch {cfg.batch} does not split evenly over {n} processes.")
     ds = _records(rollouts, cfg).map_with_index(_with_index)
-    ds = ds.batch(cfg.batch // n, drop_remainder=True, batch_fn=_MakeBatch(cfg, n_trees, rule, budget, online))
+    ds = ds.batch(cfg.batch // n, drop_remainder=True, batch_fn=_MakeBatch(cfg, n_trees, rule, budget, online,
+                                                                      None if online else stored_top_k(rollouts)))
     return ds[p::n]
 
 
