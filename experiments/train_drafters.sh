@@ -280,10 +280,10 @@ iter_score() {  # offline and online τ of drafter $1 into $2/{eval,bench}.json 
     --temperature "$ITER_TEMP" --json-out "$2/bench.json"
 }
 replayed() {  # drafter $1's greedy treespark trees replayed from every plain train rollout of the ONPOLICY sets into
-  local s      # $2/replay-<set> (each resumed); prints those folders
-  for s in $ONPOLICY; do
+  local s      # $2/replay-<set> (each resumed); prints those folders; fails as a replay fails (errexit does not
+  for s in $ONPOLICY; do  # reach into the command substitution that reads them)
     $T replay --rollouts "$DATA/rollouts-$s-train" --drafter "$1" --method treespark --budget "$BUDGET" \
-      --batch-size 8 --out "$2/replay-$s" >&2
+      --batch-size 8 --out "$2/replay-$s" >&2 || return 1
     echo "$2/replay-$s"
   done
 }
