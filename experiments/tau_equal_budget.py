@@ -13,11 +13,14 @@ prompt lookup's chain N).
 Greedy τ repeats exactly on a repeated run (the same tokens are committed); speed is not the point
 here and is not rendered (the JSON keeps it; RESULTS.md has the shipped methods' speedups). A run
 over other sets at the same protocol adds its tables to the page (``merge``), so a long protocol
-can be measured a set at a time.
+can be measured a set at a time; a run of some methods (``--methods``) replaces only their rows,
+so a new drafter or builder is measured again without the methods it does not change (the page
+says which rows were measured again, when and by which command).
 
 Usage:
   python experiments/tau_equal_budget.py [--sets gsm8k,humaneval,mtbench] [--limit 4]
-      [--max-new-tokens 64] [--budgets 4,8,16] [--out experiments/page_data] [--render-only]
+      [--max-new-tokens 64] [--budgets 4,8,16] [--methods treespark,...] [--out experiments/page_data]
+      [--render-only]
   writes ``<out>/tau-equal-budget.json`` and ``experiments/TAU_EQUAL_BUDGET.md``. The JSON is
   committed with the page, so a run over other sets merges into it on any clone.
 """
@@ -41,12 +44,14 @@ METHODS = ("prompt_lookup", "dflash", "dspark", "ddtree", "pctree", "treespark")
 PAGE = HERE / "TAU_EQUAL_BUDGET.md"
 
 
-def measure(sets: list[str], limit: int, max_new_tokens: int, budgets: list[int]) -> dict:
-    """Every drafting method at every budget against AR on each set's first ``limit`` held-out
-    prompts, greedy, draft skipping and the cost-aware stop off; one process, one loaded target.
+def measure(sets: list[str], limit: int, max_new_tokens: int, budgets: list[int],
+            methods: list[str] = list(METHODS)) -> dict:
+    """The drafting ``methods`` (default every one) at every budget against AR on each set's first
+    ``limit`` held-out prompts, greedy, draft skipping and the cost-aware stop off; one process,
+    one loaded target.
 
     Returns:
-      ``{"protocol", "machine", "others_cpu", "date", "minutes", "rows": {set: bench rows}}``.
+      ``{"protocol", "methods", "machine", "others_cpu", "date", "minutes", "rows": {set: bench rows}}``.
     """
     from treespark_jax.api import load
     from treespark_jax.bench.compare import compare
@@ -59,19 +64,26 @@ def measure(sets: list[str], limit: int, max_new_tokens: int, budgets: list[int]
     for name in sets:
         log(f"== {name}")
         prompts = [prompt_ids(lm.tokenizer, r) for r in load_prompts(name, "eval")[:limit]]
-        rows[name] = compare(lm, prompts, ("ar", *METHODS), budgets, temperature=0.0, max_new_tokens=max_new_tokens,
+        rows[name] = compare(lm, prompts, ("ar", *methods), budgets, temperature=0.0, max_new_tokens=max_new_tokens,
                              repeats=1, skip_drafting=False, cost_aware_stop=False, progress=log)
     return {"protocol": {"sets": sets, "limit": limit, "max_new_tokens": max_new_tokens, "budgets": budgets,
                          "temperature": 0.0, "skip_drafting": False, "cost_aware_stop": False},
-            "machine": describe_machine(), "others_cpu": [others_share(clock, cpu_clock())],
+            "methods": list(methods), "machine": describe_machine(), "others_cpu": [others_share(clock, cpu_clock())],
             "date": time.strftime("%Y-%m-%d"), "minutes": (time.time() - started) / 60, "rows": rows}
 
 
+def _row_order(row: dict) -> tuple[int, int]:
+    return ("ar", *METHODS).index(row["method"]), row["budget"] or 0
+
+
 def merge(old: dict | None, new: dict) -> dict:
-    """``new`` with the tables of ``old`` that it did not measure, when both ran at the same protocol
-    (every protocol field but the sets): the page then covers both runs' sets (a set measured
-    again takes the new rows), their minutes add up and each run's load is kept. At another
-    protocol, or with no ``old``, ``new`` alone.
+    """``new`` with the rows of ``old`` that it did not measure, when both ran at the same protocol
+    (every protocol field but the sets): the page then covers both runs' sets and methods (a
+    method measured again on a set takes the new rows, AR's with them), their minutes add up and
+    each run's load is kept. A run of every method heads the page (its date and machine); a run of
+    some methods is listed under ``remeasured`` (date, sets, methods, minutes) instead, and a later
+    run of every method on a set drops the set from that list. At another protocol, or with no
+    ``old``, ``new`` alone.
 
     Args:
       old: the JSON of the page so far, or ``None``.
@@ -85,9 +97,23 @@ def merge(old: dict | None, new: dict) -> dict:
 
     if old is None or protocol(old) != protocol(new):
         return new
-    rows = {**{k: v for k, v in old["rows"].items() if k not in new["rows"]}, **new["rows"]}
-    return {**new, "protocol": {**new["protocol"], "sets": list(rows)}, "rows": rows,
-            "others_cpu": [*old["others_cpu"], *new["others_cpu"]], "minutes": old["minutes"] + new["minutes"]}
+    rows = dict(old["rows"])
+    for name, fresh in new["rows"].items():
+        measured = {r["method"] for r in fresh}
+        rows[name] = sorted([r for r in old["rows"].get(name, []) if r["method"] not in measured] + fresh,
+                            key=_row_order)
+    partial = new.get("methods", list(METHODS)) != list(METHODS)
+    if partial:
+        again = [{"date": new["date"], "sets": list(new["rows"]), "methods": new["methods"], "minutes": new["minutes"]}]
+        head, remeasured = old, [*old.get("remeasured", []), *again]
+    else:
+        head = new
+        remeasured = [{**e, "sets": [x for x in e["sets"] if x not in new["rows"]]} for e in old.get("remeasured", [])]
+    merged = {**head, "protocol": {**head["protocol"], "sets": list(rows)}, "rows": rows,
+              "others_cpu": [*old["others_cpu"], *new["others_cpu"]], "minutes": old["minutes"] + new["minutes"]}
+    merged.pop("remeasured", None)
+    remeasured = [e for e in remeasured if e["sets"]]
+    return {**merged, "remeasured": remeasured} if remeasured else merged
 
 
 def tau_table(rows: list[dict]) -> str:
@@ -105,13 +131,19 @@ def tau_table(rows: list[dict]) -> str:
 def render(data: dict, json_path: str) -> str:
     """The page: command, machine, protocol, one table per set with its τ comparisons;
     ``json_path`` is where ``--render-only`` reads the rows."""
-    p = data["protocol"]
-    flags = (f"--sets {','.join(p['sets'])} --limit {p['limit']} --max-new-tokens {p['max_new_tokens']} "
-             f"--budgets {','.join(map(str, p['budgets']))}")
+    p, again = data["protocol"], data.get("remeasured", [])
+
+    def command(sets, methods=None):
+        picked = f" --methods {','.join(methods)}" if methods else ""
+        return (f"`python experiments/tau_equal_budget.py --sets {','.join(sets)}{picked} --limit {p['limit']} "
+                f"--max-new-tokens {p['max_new_tokens']} --budgets {','.join(map(str, p['budgets']))}`")
+
+    minutes = data["minutes"] - sum(e["minutes"] for e in again)
     md = ["# τ at equal budget", "",
-          f"Generated by `python experiments/tau_equal_budget.py {flags}` on {data['date']} "
-          f"({data['minutes']:.0f} minutes); `--render-only` rebuilds this page from "
-          f"`{json_path}` (committed with it).", "",
+          f"Generated by {command(p['sets'])} on {data['date']} ({minutes:.0f} minutes); `--render-only` rebuilds "
+          f"this page from `{json_path}` (committed with it).", "",
+          *[f"- Measured again, with the drafters shipped then: {', '.join(e['methods'])} on {', '.join(e['sets'])}, "
+            f"by {command(e['sets'], e['methods'])} on {e['date']} ({e['minutes']:.0f} minutes)." for e in again],
           f"- Machine: {data['machine']}; {others_words(data['others_cpu'])}.",
           f"- Target `{PRESET}` with the shipped drafters; the first {p['limit']} held-out (`eval` split) prompts "
           f"of each set through the chat template, greedy (temp 0), {p['max_new_tokens']} new tokens at most, "
@@ -134,17 +166,25 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=4, help="held-out prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--budgets", default="4,8,16")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="drafting methods to measure (AR always runs); the page keeps the others' rows")
     parser.add_argument("--out", default=str(HERE / "page_data"), help="folder of the JSON rows (committed)")
     parser.add_argument("--render-only", action="store_true", help="rebuild the page from the JSON under --out")
     args = parser.parse_args()
     path = Path(args.out) / "tau-equal-budget.json"
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"--methods {args.methods!r} names {unknown[0]!r}, which is not one of {', '.join(METHODS)}.")
+    methods = [m for m in METHODS if m in methods]  # the page's order
     if args.render_only:
         if not path.is_file():
             raise SystemExit(f"--render-only needs {path}; run without --render-only first.")
         data = json.loads(path.read_text())
     else:
         path.parent.mkdir(parents=True, exist_ok=True)  # an unusable --out fails now, not after measuring
-        new = measure(args.sets.split(","), args.limit, args.max_new_tokens, [int(b) for b in args.budgets.split(",")])
+        new = measure(args.sets.split(","), args.limit, args.max_new_tokens, [int(b) for b in args.budgets.split(",")],
+                      methods)
         data = merge(json.loads(path.read_text()) if path.is_file() else None, new)
         path.write_text(json.dumps(data, indent=2))
     PAGE.write_text(render(data, os.path.relpath(path, HERE.parent)))

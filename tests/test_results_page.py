@@ -247,6 +247,42 @@ def test_tau_equal_budget_runs_over_other_sets_add_up_at_the_same_protocol():
     assert list(first["rows"]) == ["gsm8k", "humaneval"]  # the old page is not modified
 
 
+def test_tau_equal_budget_a_run_of_some_methods_replaces_only_their_rows(monkeypatch, tmp_path):
+    page = load_script("experiments/tau_equal_budget.py")
+    monkeypatch.setattr("sys.argv", ["tau_equal_budget.py", "--methods", "treespark,eagle", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--methods 'treespark,eagle' names 'eagle', which is not one of "
+                                         "prompt_lookup, dflash, dspark, ddtree, pctree, treespark."):
+        page.main()  # refused before the target loads
+    everyone = ["ar", *page.METHODS]
+
+    def run(sets, methods, tau, date, minutes):
+        return {"protocol": {"sets": sets, "limit": 16, "max_new_tokens": 128, "budgets": [4, 8],
+                             "temperature": 0.0, "skip_drafting": False, "cost_aware_stop": False},
+                "methods": methods, "machine": "cpu", "others_cpu": [0.01], "date": date, "minutes": minutes,
+                "rows": {s: [_row(m, None if m == "ar" else b, tau, 1.0, 0.1) for m in ["ar", *methods]
+                             for b in ([None] if m == "ar" else [4, 8])] for s in sets}}
+
+    full = run(["gsm8k", "humaneval"], list(page.METHODS), 2.0, "2026-12-06", 88.0)
+    again = page.merge(full, run(["gsm8k"], ["ddtree", "treespark"], 3.0, "2026-12-08", 12.0))
+    taus = {(r["method"], r["budget"]): r["tau"] for r in again["rows"]["gsm8k"]}
+    assert [r["method"] for r in again["rows"]["gsm8k"]][::2] == everyone  # the page's order, AR first
+    assert {m for (m, _), t in taus.items() if t == 3.0} == {"ar", "ddtree", "treespark"}  # AR's with them
+    assert all(r["tau"] == 2.0 for r in again["rows"]["humaneval"]) and full["rows"]["gsm8k"][-1]["tau"] == 2.0
+    assert (again["date"], again["minutes"]) == ("2026-12-06", 100.0)  # the full run heads the page
+    assert again["remeasured"] == [{"date": "2026-12-08", "sets": ["gsm8k"], "methods": ["ddtree", "treespark"],
+                                    "minutes": 12.0}]
+    text = page.render(again, "tau.json")
+    assert "`python experiments/tau_equal_budget.py --sets gsm8k,humaneval --limit 16 --max-new-tokens 128 " \
+           "--budgets 4,8` on 2026-12-06 (88 minutes)" in text
+    assert ("- Measured again, with the drafters shipped then: ddtree, treespark on gsm8k, by `python "
+            "experiments/tau_equal_budget.py --sets gsm8k --methods ddtree,treespark --limit 16 --max-new-tokens 128 "
+            "--budgets 4,8` on 2026-12-08 (12 minutes).") in text
+    # a later run of every method on gsm8k makes the note of its re-measurement moot
+    fresh = page.merge(again, run(["gsm8k"], list(page.METHODS), 2.5, "2026-12-09", 30.0))
+    assert "remeasured" not in fresh and fresh["date"] == "2026-12-09"
+    assert {r["tau"] for r in fresh["rows"]["gsm8k"]} == {2.5} and "Measured again" not in page.render(fresh, "t")
+
+
 def _scored(folder, chain, tree, online, steps=None, replayed=None, init=None):
     folder.mkdir(parents=True)
     calibration = {"count": [[10.0, 10.0]], "predicted": [[2.0, 8.0]], "accepted": [[1.0, 9.0]]}  # ECE 0.1
