@@ -343,12 +343,13 @@ FT_INIT=${FT_INIT:-treespark_jax/drafters/smollm2-135m/treespark}
 FT_STEPS=${FT_STEPS:-3000}
 FT_LR=${FT_LR:-1e-4}
 FT_NAME=${FT_NAME:-finetune}
+FT_LAYERS=${FT_LAYERS:-}  # drafter layers (default FT_INIT's); layers past FT_INIT's start as the identity (warm_start)
 stage_finetune() {
   local dir="$DATA/$FT_NAME" trees data
   mkdir -p "$dir"
   trees=$(replayed "$FT_INIT" "$dir")
   data=$(mix "$TREE_SHARE" $trees $(train_plain))
-  fine_tune "$FT_INIT" 0 "$FT_STEPS" "$FT_LR" "$dir/run" "" $data
+  fine_tune "$FT_INIT" 0 "$FT_STEPS" "$FT_LR" "$dir/run" "" $data ${FT_LAYERS:+--drafter-layers "$FT_LAYERS"}
 }
 
 stage_export() {  # bfloat16 copies, each with the draft vocabulary it was trained on; a stage not run keeps its shipped one

@@ -16,6 +16,7 @@ from treespark_jax.config import DrafterConfig, TreeConfig, default_layer_ids
 from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.drafter.block_proposer import BlockProposer
+from treespark_jax.drafter.checkpoint import warm_start
 from treespark_jax.drafter.model import BlockDrafter
 from treespark_jax.drafter.proposer import Committed
 from treespark_jax.models.decoder import Decoder
@@ -412,6 +413,30 @@ def test_one_program_per_budget_for_a_generation_with_the_drafter(target64):
     _, stats = eng.generate([[2, 7, 1, 8, 2]], 128, spec=speculation(proposer, TreeConfig(
         budget=16, max_depth=6, branch=4, builder="treespark"), cost_aware_stop=True))
     assert stats.compiles == 2  # a new maximum budget: its prefill and its round program
+
+
+def test_a_deeper_drafter_warm_started_from_a_shallower_one_starts_as_its_function(target32):
+    """``warm_start`` of a 3-layer drafter from a 1-layer one: layer 0 is copied, layers 1 and 2
+    keep their fresh weights with zeroed output projections, so the training forward gives the
+    source's logits, and a gradient reaches the new layers' output projections (training grows
+    them)."""
+    source, deeper = make_drafter(target32, n_layers=1), make_drafter(target32, seed=1, n_layers=3)
+    fresh_wq = np.asarray(deeper.layers[1].wq[...])
+    warm_start(deeper, source)
+    np.testing.assert_array_equal(deeper.layers[0].wq[...], source.layers[0].wq[...])
+    np.testing.assert_array_equal(deeper.layers[1].wq[...], fresh_wq)
+    assert not np.any(deeper.layers[2].wo[...]) and not np.any(deeper.layers[2].w_down[...])
+    head = BlockProposer.create(source, target32).weights.head
+    tokens = np.asarray([[5, 9, 2, 7, 3, 8, 1, 4, 6, 2], [3, 3, 1, 0, 2, 5, 7, 9, 4, 1]])
+    feats, anchors = target_features(target32, tokens, LAYER_IDS), jnp.asarray([[0, 3, 6, -1], [2, 5, 9, 1]])
+
+    def logits(d):
+        return d.packed(jnp.asarray(tokens), feats, anchors, head).logits
+
+    want = nnx.jit(logits)(source)
+    np.testing.assert_allclose(nnx.jit(logits)(deeper), want, rtol=1e-5, atol=1e-5)
+    grads = nnx.grad(lambda d: jnp.sum(jax.nn.log_softmax(logits(d))[..., 0]))(deeper)
+    assert all(np.any(grads["layers"][i][name][...]) for i in (1, 2) for name in ("wo", "w_down"))
 
 
 def test_warm_start_copies_the_named_target_layers(target32):

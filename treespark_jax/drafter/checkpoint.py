@@ -295,7 +295,12 @@ def warm_start(drafter: BlockDrafter, source: BlockDrafter) -> int:
 
     Used to start a drafter of another recipe from a trained one (a ``treespark`` drafter with an
     edge head from a ``dspark`` one with a confidence head): the backbone and shared heads carry
-    over, parameters ``source`` lacks keep their fresh initialisation.
+    over, parameters ``source`` lacks keep their fresh initialisation. A deeper drafter started from
+    a shallower one gets the source's layers first, and each decoder layer past them starts as the
+    identity: its fresh weights kept but its two output projections (``wo``, ``w_down``) zeroed, so
+    both residual branches add 0 and the drafter starts as the source's function, from which training
+    grows the new layer (function-preserving depth growth: Chen, Goodfellow and Shlens, "Net2Net",
+    ICLR 2016, whose identity layers are replaced here by zeroed residual branches).
 
     Returns:
       The number of parameter arrays copied.
@@ -304,6 +309,9 @@ def warm_start(drafter: BlockDrafter, source: BlockDrafter) -> int:
     loaded = dict(nnx.to_flat_state(nnx.state(source)))
     keep = [(k, loaded[k] if k in loaded and loaded[k].shape == v.shape else v) for k, v in fresh]
     nnx.update(drafter, nnx.from_flat_state(keep))
+    for layer in drafter.layers[len(source.layers):]:
+        for name in ("wo", "w_down"):
+            getattr(layer, name)[...] = jnp.zeros_like(getattr(layer, name)[...])
     return sum(k in loaded and loaded[k].shape == v.shape for k, v in fresh)
 
 
