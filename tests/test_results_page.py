@@ -280,6 +280,8 @@ def test_tau_equal_budget_a_run_of_some_methods_replaces_only_their_rows(monkeyp
     # a later run of every method on gsm8k makes the note of its re-measurement moot
     fresh = page.merge(again, run(["gsm8k"], list(page.METHODS), 2.5, "2026-12-09", 30.0))
     assert "remeasured" not in fresh and fresh["date"] == "2026-12-09"
+    alone = page.merge(None, run(["mtbench"], ["treespark"], 1.9, "2026-12-08", 5.0))  # a page begun by some methods
+    assert "--sets mtbench --methods treespark --limit 16" in page.render(alone, "t")
     assert {r["tau"] for r in fresh["rows"]["gsm8k"]} == {2.5} and "Measured again" not in page.render(fresh, "t")
 
 
