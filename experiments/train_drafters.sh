@@ -352,14 +352,16 @@ stage_finetune() {
   fine_tune "$FT_INIT" 0 "$FT_STEPS" "$FT_LR" "$dir/run" "" $data ${FT_LAYERS:+--drafter-layers "$FT_LAYERS"}
 }
 
+# the run the export stage ships as the treespark drafter: the treespark stage's, or a finetune stage's
+# (EXPORT_TREESPARK=$DATA/$FT_NAME/run/drafter)
+EXPORT_TREESPARK=${EXPORT_TREESPARK:-$DATA/treespark/drafter}
 stage_export() {  # bfloat16 copies, each with the draft vocabulary it was trained on; a stage not run keeps its shipped one
-  $PY - "$DATA" <<'PY'
+  $PY - "$DATA/dflash/drafter" "$DATA/dspark/drafter" "$EXPORT_TREESPARK" <<'PY'
 import sys
 from pathlib import Path
 from treespark_jax.drafter.checkpoint import export_drafter
 
-for name in ("dflash", "dspark", "treespark"):
-    run = Path(sys.argv[1], name, "drafter")
+for name, run in zip(("dflash", "dspark", "treespark"), map(Path, sys.argv[1:])):
     if run.is_dir():
         print(export_drafter(run, f"treespark_jax/drafters/smollm2-135m/{name}", overwrite=True))
     else:
