@@ -24,6 +24,9 @@ protocol is ``--limit 32 --max-new-tokens 128 --budgets 4,8,16,32 --repeats 3``)
   experiments/train_drafters.sh ablate iterate
   python experiments/results.py [--sets gsm8k,humaneval,mtbench] [--temps 0,1] [--limit 4]
       [--max-new-tokens 64] [--budgets 4,8,16] [--repeats 1] [--out experiments/page_data] [--render-only]
+  python experiments/results.py --methods treespark [--sets ...] [--temps ...]
+      (a new drafter: measures AR and those methods again on the measured page's tables, at its
+      protocol, keeping the other rows; the page lists the run under the one that heads it)
   python experiments/results.py --check --sets gsm8k --temps 0
       (measures those tables again under ``<out>/check/`` and adds a reproduction section: each row's
       new τ and speedup against the page's, within the stated noise or not)
@@ -39,7 +42,7 @@ import argparse
 import json
 from pathlib import Path
 
-from results_measure import check, measure, measure_one
+from results_measure import DRAFTING, check, measure, measure_one
 from results_page import render
 
 HERE = Path(__file__).parent
@@ -54,6 +57,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--budgets", default="4,8,16")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--methods", default=",".join(DRAFTING),
+                   help="drafting methods to measure (AR always runs); on a measured page the others' rows are kept")
     p.add_argument("--out", default=str(HERE / "page_data"))
     p.add_argument("--data", default=str(HERE / "data"), help="train_drafters.sh's $DATA (loss ablation)")
     p.add_argument("--results-md", default=str(HERE / "RESULTS.md"))

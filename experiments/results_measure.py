@@ -1,7 +1,9 @@
 """The rows of ``experiments/RESULTS.md``: measured in subprocesses, and measured again to check them.
 
 ``measure`` runs every benchmark job (one process per job, see ``run_jobs``) and writes the JSON
-rows and ``meta.json`` under ``--out``; ``check`` measures chosen tables again under
+rows and ``meta.json`` under ``--out`` (with ``--methods``, those methods' rows and AR's again on a
+measured page, the other rows kept: a new drafter measured without the methods it does not change);
+``check`` measures chosen tables again under
 ``<out>/check/`` and writes per row whether the new τ and speedup are within the stated noise of
 the page's (``reproduction.json``). While they measure, ``cpu_clock`` and ``others_share``
 record how much of the cores other processes took (``/proc/stat``), which the page states.
@@ -32,6 +34,7 @@ SCRIPT = HERE / "results.py"  # its hidden ``--only JOB`` runs one measuring job
 PRESET = "smollm2-135m"
 PROTOCOL = ("limit", "max_new_tokens", "budgets", "repeats")
 TAU_TOL = 0.05  # τ is a pooled count ratio; greedy decoding and seeded sampling repeat it up to near-ties
+DRAFTING = tuple(m for m in METHODS if m != "ar")  # what --methods picks from (AR always runs)
 
 
 def log(line: str) -> None:
@@ -63,17 +66,42 @@ def others_share(start, end) -> float | None:
     return max(0.0, ((end[0] - start[0]) - (end[1] - start[1])) / ((end[2] - start[2]) * os.cpu_count()))
 
 
+def picked(args) -> list[str]:
+    """The drafting methods of ``--methods``, in the page's order.
+
+    Raises:
+      SystemExit: a name that is not a drafting method.
+    """
+    names = args.methods.split(",")
+    unknown = [m for m in names if m not in DRAFTING]
+    if unknown:
+        raise SystemExit(f"--methods {args.methods!r} names {unknown[0]!r}, which is not one of {', '.join(DRAFTING)}.")
+    return [m for m in DRAFTING if m in names]
+
+
+def replace_rows(old: list[dict], fresh: list[dict], order: tuple[str, ...]) -> list[dict]:
+    """``old``'s rows of the methods ``fresh`` has none of, and ``fresh``'s, sorted by the method's
+    place in ``order``, then budget (a table measured again for some methods, AR's row with them)."""
+    measured = {r["method"] for r in fresh}
+    return sorted([r for r in old if r["method"] not in measured] + fresh,
+                  key=lambda r: (order.index(r["method"]), r["budget"] or 0))
+
+
 def measure_one(args, job: str, out: Path) -> None:
-    """``--only bench:SET:TEMP`` (every method × budget) or ``--only builders:SET`` (the builder
-    ablation at the largest budget, temp 0): measured in this process, rows written to ``out``."""
+    """``--only bench:SET:TEMP`` (AR and the ``--methods`` × budget; the table's other rows kept
+    when it exists) or ``--only builders:SET`` (the builder ablation at the largest budget, temp
+    0): measured in this process, rows written to ``out``."""
     kind, name, *temp = job.split(":")
     budgets = [int(b) for b in args.budgets.split(",")]
     lm = load(PRESET)
     prompts = [prompt_ids(lm.tokenizer, r) for r in load_prompts(name, "eval")[: args.limit]]
     if kind == "bench":
-        rows = compare(lm, prompts, METHODS, budgets, temperature=float(temp[0]), max_new_tokens=args.max_new_tokens,
-                       repeats=args.repeats, progress=log)
-        (out / f"bench-{name}-t{float(temp[0]):g}.json").write_text(json.dumps(rows, indent=2))
+        rows = compare(lm, prompts, ["ar", *picked(args)], budgets, temperature=float(temp[0]),
+                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, progress=log)
+        path = out / f"bench-{name}-t{float(temp[0]):g}.json"
+        if path.is_file():
+            rows = replace_rows(json.loads(path.read_text()), rows, METHODS)
+        path.write_text(json.dumps(rows, indent=2))
     else:
         rows = [row for b in BUILDERS for row in compare(lm, prompts, ["treespark"], [max(budgets)], builder=b,
                                                          max_new_tokens=args.max_new_tokens, repeats=args.repeats,
@@ -88,7 +116,7 @@ def run_jobs(args, jobs: list[str], out: Path) -> dict[str, float]:
     if stored.is_file():  # api.load prefers it to the shipped CPU profile RESULTS.md was measured with
         log(f"warning: the cost-aware stop and draft skipping will read {stored} (`treespark profile`), not the "
             "shipped CPU profile; delete it to reproduce RESULTS.md.")
-    protocol = [f"--{k.replace('_', '-')}={vars(args)[k]}" for k in PROTOCOL]
+    protocol = [f"--{k.replace('_', '-')}={vars(args)[k]}" for k in (*PROTOCOL, "methods")]
     minutes = {}
     for job in jobs:
         log(f"== {job}")
@@ -99,20 +127,43 @@ def run_jobs(args, jobs: list[str], out: Path) -> dict[str, float]:
 
 
 def measure(args, sets, temps, out: Path) -> None:
-    """Runs every benchmark and writes the JSON rows under ``out``."""
+    """Runs the benchmarks and writes the JSON rows under ``out``. A run of every method heads the
+    page (its date, machine and minutes); a run of some methods (``--methods``) is listed under the
+    page's ``remeasured`` (date, sets, temps, methods, minutes, whether the builder ablation ran
+    again), and a later run of every method on a table drops the table from those entries.
+
+    Raises:
+      SystemExit: as ``picked``; with some methods, as ``require_page``.
+    """
+    methods = picked(args)
+    partial = methods != list(DRAFTING)
+    if partial:
+        require_page(args, sets, temps, out, "--methods measures some methods again on")
     old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else None
     same = old is not None and all(old["args"][k] == vars(args)[k] for k in PROTOCOL)
     clock = cpu_clock()
     tables = [f"bench:{s}:{t:g}" for s in sets for t in temps]
-    jobs = run_jobs(args, tables + _builders_job(sets, temps, out, same), out)
-    meta = {"jobs": jobs, "machine": describe_machine(), "args": vars(args),
-            "others_cpu": [others_share(clock, cpu_clock())], "date": time.strftime("%Y-%m-%d")}
-    if same:  # runs over other sets or temperatures add up on one page
-        for k in ("sets", "temps"):
-            meta["args"][k] = ",".join(dict.fromkeys(old["args"][k].split(",") + meta["args"][k].split(",")))
-        meta["jobs"] = {**old.get("jobs", {}), **jobs}  # a table measured again replaces its time
-        meta["others_cpu"] = [*old.get("others_cpu", []), *meta["others_cpu"]]
-    meta["minutes"] = sum(meta["jobs"].values())
+    builders = _builders_job(sets, temps, out, same) if "treespark" in methods else []  # its rows are treespark's
+    jobs = run_jobs(args, tables + builders, out)
+    run = {"others_cpu": [others_share(clock, cpu_clock())], "date": time.strftime("%Y-%m-%d")}
+    if partial:
+        again = {"date": run["date"], "sets": sets, "temps": [f"{t:g}" for t in temps], "methods": methods,
+                 "tables": [[s, t] for s in sets for t in temps], "builders": bool(builders),
+                 "minutes": sum(jobs.values())}
+        meta = {**old, "others_cpu": [*old.get("others_cpu", []), *run["others_cpu"]],
+                "remeasured": [*old.get("remeasured", []), again]}
+    else:
+        meta = {"jobs": jobs, "machine": describe_machine(), "args": vars(args), **run}
+        if same:  # runs over other sets or temperatures add up on one page
+            for k in ("sets", "temps"):
+                meta["args"][k] = ",".join(dict.fromkeys(old["args"][k].split(",") + meta["args"][k].split(",")))
+            meta["jobs"] = {**old.get("jobs", {}), **jobs}  # a table measured again replaces its time
+            meta["others_cpu"] = [*old.get("others_cpu", []), *meta["others_cpu"]]
+            done = [[s, t] for s in sets for t in temps]
+            kept = [{**e, "tables": [x for x in e["tables"] if x not in done]} for e in old.get("remeasured", [])]
+            if any(e["tables"] for e in kept):
+                meta["remeasured"] = [e for e in kept if e["tables"]]
+        meta["minutes"] = sum(meta["jobs"].values())
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     if (out / "reproduction.json").is_file():  # a verdict on a table measured again no longer holds
         _write_checked_rows(out, checked_rows(out, drop=[(s, t) for s in sets for t in temps]))
@@ -143,26 +194,38 @@ def compare_runs(name: str, temp: float, page: list[dict], fresh: list[dict]) ->
     return rows
 
 
+def require_page(args, sets, temps, out: Path, what: str) -> None:
+    """Refuses to measure tables again unless ``out`` holds a page with each of them at the flags'
+    protocol; ``what`` is the refusal's subject (``--check repeats``).
+
+    Raises:
+      SystemExit: no measured page under ``out``, a table not on it, or a protocol flag that differs
+        from the page's.
+    """
+    if not (out / "meta.json").is_file():
+        raise SystemExit(f"{what} a measured page: {out / 'meta.json'} does not exist; run every method first.")
+    meta = json.loads((out / "meta.json").read_text())
+    for s in sets:
+        for t in temps:
+            if not (out / f"bench-{s}-t{t:g}.json").is_file():
+                raise SystemExit(f"{what} a measured table only: {s} at temp {t:g} is not on the page.")
+    for k in PROTOCOL:
+        if str(meta["args"][k]) != str(vars(args)[k]):
+            raise SystemExit(f"{what} the page's protocol: --{k.replace('_', '-')} is {vars(args)[k]}, "
+                             f"the page used {meta['args'][k]}.")
+
+
 def check(args, sets, temps, out: Path) -> None:
     """Measures the (set, temp) tables again under ``out/check`` and writes ``out/reproduction.json``:
     per row, the page's and the new τ and speedup and whether the new ones are within the stated
     noise (|Δτ| ≤ TAU_TOL; |Δspeedup| ≤ the larger of the two runs' IQRs).
 
     Raises:
-        SystemExit: no measured page under ``out``, or a protocol flag that differs from the page's.
+        SystemExit: as ``require_page``, or ``--methods`` naming fewer than every drafting method.
     """
-    if not (out / "meta.json").is_file():
-        raise SystemExit(f"--check needs a measured page: {out / 'meta.json'} does not exist; "
-                         "run without --check first.")
-    meta = json.loads((out / "meta.json").read_text())
-    for s in sets:
-        for t in temps:
-            if not (out / f"bench-{s}-t{t:g}.json").is_file():
-                raise SystemExit(f"--check can only repeat a measured table: {s} at temp {t:g} is not on the page.")
-    for k in PROTOCOL:
-        if str(meta["args"][k]) != str(vars(args)[k]):
-            raise SystemExit(f"--check must repeat the page's protocol: --{k.replace('_', '-')} is {vars(args)[k]}, "
-                             f"the page used {meta['args'][k]}.")
+    if picked(args) != list(DRAFTING):
+        raise SystemExit(f"--check repeats every method of a table; --methods {args.methods!r} names fewer.")
+    require_page(args, sets, temps, out, "--check repeats")
     clock = cpu_clock()
     (out / "check").mkdir(exist_ok=True)
     run_jobs(args, [f"bench:{s}:{t:g}" for s in sets for t in temps], out / "check")

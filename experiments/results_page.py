@@ -62,6 +62,20 @@ def plot(results: dict, sets: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def remeasured(meta: dict) -> list[str]:
+    """One line per run of some methods on the page (``results_measure.measure``'s ``remeasured``):
+    what it measured again, by which command, when."""
+    lines = []
+    for e in meta.get("remeasured", []):
+        tables = ", ".join(f"{s} temp {t:g}" for s, t in e["tables"])
+        builders = " and the builder ablation" if e["builders"] else ""
+        lines.append(f"Measured again, with the drafters shipped then: {', '.join(e['methods'])} and AR on {tables}"
+                     f"{builders}, by `python experiments/results.py --methods {','.join(e['methods'])} --sets "
+                     f"{','.join(e['sets'])} --temps {','.join(e['temps'])}` with the page's other flags on {e['date']} "
+                     f"({e['minutes']:.0f} minutes); each speedup is against the AR of its own run.")
+    return lines
+
+
 def render(sets, temps, out: Path, data: Path, results_md: Path, readme: Path | None = None) -> str:
     """RESULTS.md (``templates/RESULTS.md.j2``) and the plot from the JSON under ``out`` (and the loss
     ablation and the iterated loop under ``data``, else those ``results_md`` already has, see
@@ -84,7 +98,7 @@ def render(sets, temps, out: Path, data: Path, results_md: Path, readme: Path | 
     text = TEMPLATES.get_template("RESULTS.md.j2").render(
         meta=meta, flags=" ".join(f"--{k.replace('_', '-')} {v}" for k, v in meta["args"].items() if k in FLAGS),
         out=os.path.relpath(out, HERE.parent), others=others_words(meta.get("others_cpu", [])), preset=PRESET,
-        budgets=budgets, sections=sections, plot=plot_path.name,
+        budgets=budgets, sections=sections, plot=plot_path.name, again=remeasured(meta),
         builders={"set": builders["set"], "table": builders_table},
         loss_ablation_head=LOSS_ABLATION_HEAD, loss_ablation=loss_ablation(data),
         carried_loss_ablation=previous_loss_ablation(results_md), loss_ablation_not_run=LOSS_ABLATION_NOT_RUN,
@@ -106,7 +120,8 @@ def _readme_table(readme: Path, rows: list[dict], name: str, budgets: list[int],
         return
     block = TEMPLATES.get_template("README_results.md.j2").render(
         name=name, args=meta["args"], device=meta["machine"].split(" (")[0],
-        others=others_words(meta.get("others_cpu", [])), table=table(rows), verdicts=verdicts(rows, budgets))
+        others=others_words(meta.get("others_cpu", [])), table=table(rows), verdicts=verdicts(rows, budgets),
+        again=remeasured(meta))
     head = text[: text.index(README_START)]
     tail = text[text.index(README_END) + len(README_END):] if README_END in text else text[
         text.index(README_START) + len(README_START):]

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 
 import pytest
 from scripts import load_script
@@ -150,7 +151,8 @@ def test_a_check_of_one_table_keeps_the_other_tables_verdicts(measuring, tables,
     shown = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 1.9, 1.2, 0.1)]
     for name in ("bench-gsm8k-t0.json", "bench-gsm8k-t1.json"):
         (out / name).write_text(json.dumps(shown))
-    args = {"sets": "gsm8k", "temps": "0,1", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1}
+    args = {"sets": "gsm8k", "temps": "0,1", "limit": 4, "max_new_tokens": 64, "budgets": "4", "repeats": 1,
+            "methods": ",".join(measuring.DRAFTING)}
     (out / "meta.json").write_text(json.dumps({"minutes": 1.0, "args": args}))
     old = {"date": "2026-11-30", "machine": "cpu", "others_cpu": [0.01],  # the format before per-row dates
            "rows": [*measuring.compare_runs("gsm8k", 0.0, shown, shown),
@@ -187,7 +189,7 @@ def test_runs_over_other_tables_add_up_and_keep_the_builder_ablation(measuring, 
     out.mkdir()
     ran = []
     monkeypatch.setattr(measuring, "run_jobs", lambda a, jobs, where: ran.append(jobs) or dict.fromkeys(jobs, 1.0))
-    protocol = {"limit": 16, "max_new_tokens": 128, "budgets": "4,8", "repeats": 1}
+    protocol = {"limit": 16, "max_new_tokens": 128, "budgets": "4,8", "repeats": 1, "methods": ",".join(measuring.DRAFTING)}
 
     def measure(sets, temps, **changed):
         args = argparse.Namespace(**protocol | changed | {"sets": sets, "temps": temps})
@@ -205,6 +207,51 @@ def test_runs_over_other_tables_add_up_and_keep_the_builder_ablation(measuring, 
     # another protocol starts another page, which measures its own ablation
     assert measure("humaneval", "0", limit=4) == ["bench:humaneval:0", "builders:humaneval"]
     assert json.loads((out / "meta.json").read_text())["args"]["sets"] == "humaneval"
+
+
+def test_a_run_of_some_methods_replaces_their_rows_and_the_page_names_it(measuring, page, tmp_path, monkeypatch):
+    out = tmp_path / "results"
+    _measured_page(tmp_path)  # gsm8k temp 0 at budget 4: AR, dspark, ddtree, treespark
+    old = json.loads((out / "meta.json").read_text())
+    fresh = [_row("ar", None, 1.0, 1.0, 0.0), _row("treespark", 4, 2.4, 1.5, 0.1)]
+    rows = measuring.replace_rows(json.loads((out / "bench-gsm8k-t0.json").read_text()), fresh, measuring.METHODS)
+    assert [(r["method"], r["tau"]) for r in rows] == [("ar", 1.0), ("dspark", 1.7), ("ddtree", 1.95), ("treespark", 2.4)]
+    (out / "bench-gsm8k-t0.json").write_text(json.dumps(rows))
+    args = argparse.Namespace(**old["args"], methods="treespark")
+    ran = []
+    monkeypatch.setattr(measuring, "run_jobs", lambda a, jobs, where: ran.append(jobs) or dict.fromkeys(jobs, 4.0))
+    monkeypatch.setattr(measuring.time, "strftime", lambda fmt: "2026-12-08")
+    measuring.measure(args, ["gsm8k"], [0.0], out)
+    assert ran[-1] == ["bench:gsm8k:0", "builders:gsm8k"]  # the builder ablation measures the treespark drafter
+    meta = json.loads((out / "meta.json").read_text())
+    assert {k: meta[k] for k in ("minutes", "machine", "args")} == {k: old[k] for k in ("minutes", "machine", "args")}
+    assert meta["others_cpu"][0] == 0.02 and len(meta["others_cpu"]) == 2
+    md = page.render(["gsm8k"], [0.0], out, tmp_path / "data", tmp_path / "RESULTS.md")
+    assert ("- Measured again, with the drafters shipped then: treespark and AR on gsm8k temp 0 and the builder "
+            "ablation, by `python experiments/results.py --methods treespark --sets gsm8k --temps 0` with the page's "
+            "other flags on 2026-12-08 (8 minutes); each speedup is against the AR of its own run.") in md
+    assert "| treespark | 4 | 2.40 | 1.50 ± 0.10 |" in md and "| dspark | 4 | 1.70 | 1.05 ± 0.10 |" in md
+    measuring.measure(argparse.Namespace(**old["args"], methods="dspark"), ["gsm8k"], [0.0], out)
+    assert ran[-1] == ["bench:gsm8k:0"]  # no treespark row: the ablation stays
+    # a later run of every method on the table makes the notes of its re-measurements moot
+    measuring.measure(argparse.Namespace(**old["args"], methods=",".join(measuring.DRAFTING)), ["gsm8k"], [0.0], out)
+    assert "remeasured" not in json.loads((out / "meta.json").read_text())
+    # refused before anything is measured: an unknown method, a table or protocol not on the page, a partial check
+    for sets, temps, changed, message in (
+            (["gsm8k"], [0.0], {"methods": "treespark,eagle"}, "--methods 'treespark,eagle' names 'eagle', which is not "
+                                                               "one of prompt_lookup, dflash, dspark, ddtree, pctree, "
+                                                               "treespark."),
+            (["mtbench"], [0.0], {}, "--methods measures some methods again on a measured table only: mtbench at "
+                                     "temp 0 is not on the page."),
+            (["gsm8k"], [0.0], {"limit": 16}, "--methods measures some methods again on the page's protocol: --limit "
+                                              "is 16, the page used 4.")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            measuring.measure(argparse.Namespace(**old["args"] | {"methods": "treespark"} | changed), sets, temps, out)
+    with pytest.raises(SystemExit, match="--check repeats every method of a table; --methods 'treespark' names fewer."):
+        measuring.check(argparse.Namespace(**old["args"], methods="treespark"), ["gsm8k"], [0.0], out)
+    with pytest.raises(SystemExit, match="a measured page: .* does not exist; run every method first."):
+        measuring.measure(argparse.Namespace(**old["args"], methods="treespark"), ["gsm8k"], [0.0], tmp_path)
+    assert len(ran) == 3
 
 
 def test_tau_equal_budget_page_compares_tau_per_budget_and_leaves_speed_out():
@@ -253,7 +300,7 @@ def test_tau_equal_budget_a_run_of_some_methods_replaces_only_their_rows(monkeyp
     with pytest.raises(SystemExit, match="--methods 'treespark,eagle' names 'eagle', which is not one of "
                                          "prompt_lookup, dflash, dspark, ddtree, pctree, treespark."):
         page.main()  # refused before the target loads
-    everyone = ["ar", *page.METHODS]
+    everyone = ["ar", *page.DRAFTING]
 
     def run(sets, methods, tau, date, minutes):
         return {"protocol": {"sets": sets, "limit": 16, "max_new_tokens": 128, "budgets": [4, 8],
@@ -262,7 +309,7 @@ def test_tau_equal_budget_a_run_of_some_methods_replaces_only_their_rows(monkeyp
                 "rows": {s: [_row(m, None if m == "ar" else b, tau, 1.0, 0.1) for m in ["ar", *methods]
                              for b in ([None] if m == "ar" else [4, 8])] for s in sets}}
 
-    full = run(["gsm8k", "humaneval"], list(page.METHODS), 2.0, "2026-12-06", 88.0)
+    full = run(["gsm8k", "humaneval"], list(page.DRAFTING), 2.0, "2026-12-06", 88.0)
     again = page.merge(full, run(["gsm8k"], ["ddtree", "treespark"], 3.0, "2026-12-08", 12.0))
     taus = {(r["method"], r["budget"]): r["tau"] for r in again["rows"]["gsm8k"]}
     assert [r["method"] for r in again["rows"]["gsm8k"]][::2] == everyone  # the page's order, AR first
@@ -278,7 +325,7 @@ def test_tau_equal_budget_a_run_of_some_methods_replaces_only_their_rows(monkeyp
             "experiments/tau_equal_budget.py --sets gsm8k --methods ddtree,treespark --limit 16 --max-new-tokens 128 "
             "--budgets 4,8` on 2026-12-08 (12 minutes).") in text
     # a later run of every method on gsm8k makes the note of its re-measurement moot
-    fresh = page.merge(again, run(["gsm8k"], list(page.METHODS), 2.5, "2026-12-09", 30.0))
+    fresh = page.merge(again, run(["gsm8k"], list(page.DRAFTING), 2.5, "2026-12-09", 30.0))
     assert "remeasured" not in fresh and fresh["date"] == "2026-12-09"
     alone = page.merge(None, run(["mtbench"], ["treespark"], 1.9, "2026-12-08", 5.0))  # a page begun by some methods
     assert "--sets mtbench --methods treespark --limit 16" in page.render(alone, "t")
