@@ -26,7 +26,8 @@ protocol is ``--limit 32 --max-new-tokens 128 --budgets 4,8,16,32 --repeats 3``)
       [--max-new-tokens 64] [--budgets 4,8,16] [--repeats 1] [--out experiments/page_data] [--render-only]
   python experiments/results.py --methods treespark [--sets ...] [--temps ...]
       (a new drafter: measures AR and those methods again on the measured page's tables, at its
-      protocol, keeping the other rows; the page lists the run under the one that heads it)
+      protocol, keeping the other rows; the page lists the run under the one that heads it, with
+      AR's tokens/s in both: on a machine where AR runs at another speed, measure the page whole)
   python experiments/results.py --check --sets gsm8k --temps 0
       (measures those tables again under ``<out>/check/`` and adds a reproduction section: each row's
       new τ and speedup against the page's, within the stated noise or not)

@@ -144,12 +144,14 @@ def measure(args, sets, temps, out: Path) -> None:
     clock = cpu_clock()
     tables = [f"bench:{s}:{t:g}" for s in sets for t in temps]
     builders = _builders_job(sets, temps, out, same) if "treespark" in methods else []  # its rows are treespark's
+    ar_before = _ar_speeds(out, sets, temps)
     jobs = run_jobs(args, tables + builders, out)
     run = {"others_cpu": [others_share(clock, cpu_clock())], "date": time.strftime("%Y-%m-%d")}
-    if partial:
+    if partial:  # AR's tokens/s before and after: a machine that runs AR at another speed compares other ratios
         again = {"date": run["date"], "sets": sets, "temps": [f"{t:g}" for t in temps], "methods": methods,
                  "tables": [[s, t] for s in sets for t in temps], "builders": bool(builders),
-                 "minutes": sum(jobs.values())}
+                 "minutes": sum(jobs.values()), "ar_tokens_per_s": [list(x) for x in zip(ar_before,
+                                                                                         _ar_speeds(out, sets, temps))]}
         meta = {**old, "others_cpu": [*old.get("others_cpu", []), *run["others_cpu"]],
                 "remeasured": [*old.get("remeasured", []), again]}
     else:
@@ -167,6 +169,13 @@ def measure(args, sets, temps, out: Path) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     if (out / "reproduction.json").is_file():  # a verdict on a table measured again no longer holds
         _write_checked_rows(out, checked_rows(out, drop=[(s, t) for s in sets for t in temps]))
+
+
+def _ar_speeds(out: Path, sets: list[str], temps: list[float]) -> list[float | None]:
+    """AR's tokens/s in each (set, temp) table under ``out`` (``None`` where a table is not measured)."""
+    path = [out / f"bench-{s}-t{t:g}.json" for s in sets for t in temps]
+    return [next(r["tokens_per_s"] for r in json.loads(f.read_text()) if r["method"] == "ar") if f.is_file() else None
+            for f in path]
 
 
 def _builders_job(sets: list[str], temps: list[float], out: Path, same_protocol: bool) -> list[str]:

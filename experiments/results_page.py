@@ -69,10 +69,13 @@ def remeasured(meta: dict) -> list[str]:
     for e in meta.get("remeasured", []):
         tables = ", ".join(f"{s} temp {t:g}" for s, t in e["tables"])
         builders = " and the builder ablation" if e["builders"] else ""
+        ar = ", ".join(f"{new:.1f} against {old:.1f}" for old, new in e.get("ar_tokens_per_s", []))
         lines.append(f"Measured again, with the drafters shipped then: {', '.join(e['methods'])} and AR on {tables}"
                      f"{builders}, by `python experiments/results.py --methods {','.join(e['methods'])} --sets "
                      f"{','.join(e['sets'])} --temps {','.join(e['temps'])}` with the page's other flags on {e['date']} "
-                     f"({e['minutes']:.0f} minutes); each speedup is against the AR of its own run.")
+                     f"({e['minutes']:.0f} minutes); each speedup is against the AR of its own run, which ran at "
+                     f"{ar} tokens/s there (where the two differ, so do the machines' ratios: compare speedups "
+                     "across the two runs only where AR's speeds agree).")
     return lines
 
 
