@@ -142,16 +142,15 @@ def measure(args, sets, temps, out: Path) -> None:
     old = json.loads((out / "meta.json").read_text()) if (out / "meta.json").is_file() else None
     same = old is not None and all(old["args"][k] == vars(args)[k] for k in PROTOCOL)
     clock = cpu_clock()
-    tables = [f"bench:{s}:{t:g}" for s in sets for t in temps]
+    pairs = [[s, t] for s in sets for t in temps]  # the tables measured (lists, as meta.json stores them)
     builders = _builders_job(sets, temps, out, same) if "treespark" in methods else []  # its rows are treespark's
-    ar_before = _ar_speeds(out, sets, temps)
-    jobs = run_jobs(args, tables + builders, out)
+    ar_before = _ar_speeds(out, pairs)
+    jobs = run_jobs(args, [f"bench:{s}:{t:g}" for s, t in pairs] + builders, out)
     run = {"others_cpu": [others_share(clock, cpu_clock())], "date": time.strftime("%Y-%m-%d")}
     if partial:  # AR's tokens/s before and after: a machine that runs AR at another speed compares other ratios
         again = {"date": run["date"], "sets": sets, "temps": [f"{t:g}" for t in temps], "methods": methods,
-                 "tables": [[s, t] for s in sets for t in temps], "builders": bool(builders),
-                 "minutes": sum(jobs.values()), "ar_tokens_per_s": [list(x) for x in zip(ar_before,
-                                                                                         _ar_speeds(out, sets, temps))]}
+                 "tables": pairs, "builders": bool(builders), "minutes": sum(jobs.values()),
+                 "ar_tokens_per_s": [list(x) for x in zip(ar_before, _ar_speeds(out, pairs))]}
         meta = {**old, "others_cpu": [*old.get("others_cpu", []), *run["others_cpu"]],
                 "remeasured": [*old.get("remeasured", []), again]}
     else:
@@ -161,8 +160,7 @@ def measure(args, sets, temps, out: Path) -> None:
                 meta["args"][k] = ",".join(dict.fromkeys(old["args"][k].split(",") + meta["args"][k].split(",")))
             meta["jobs"] = {**old.get("jobs", {}), **jobs}  # a table measured again replaces its time
             meta["others_cpu"] = [*old.get("others_cpu", []), *meta["others_cpu"]]
-            done = [[s, t] for s in sets for t in temps]
-            kept = [{**e, "tables": [x for x in e["tables"] if x not in done]} for e in old.get("remeasured", [])]
+            kept = [{**e, "tables": [x for x in e["tables"] if x not in pairs]} for e in old.get("remeasured", [])]
             if any(e["tables"] for e in kept):
                 meta["remeasured"] = [e for e in kept if e["tables"]]
         meta["minutes"] = sum(meta["jobs"].values())
@@ -171,11 +169,11 @@ def measure(args, sets, temps, out: Path) -> None:
         _write_checked_rows(out, checked_rows(out, drop=[(s, t) for s in sets for t in temps]))
 
 
-def _ar_speeds(out: Path, sets: list[str], temps: list[float]) -> list[float | None]:
-    """AR's tokens/s in each (set, temp) table under ``out`` (``None`` where a table is not measured)."""
-    path = [out / f"bench-{s}-t{t:g}.json" for s in sets for t in temps]
+def _ar_speeds(out: Path, pairs: list[list]) -> list[float | None]:
+    """AR's tokens/s in each ``[set, temp]`` table under ``out`` (``None`` where a table is not measured)."""
+    files = [out / f"bench-{s}-t{t:g}.json" for s, t in pairs]
     return [next(r["tokens_per_s"] for r in json.loads(f.read_text()) if r["method"] == "ar") if f.is_file() else None
-            for f in path]
+            for f in files]
 
 
 def _builders_job(sets: list[str], temps: list[float], out: Path, same_protocol: bool) -> list[str]:
