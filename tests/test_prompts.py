@@ -314,7 +314,7 @@ def test_a_user_prefix_starts_every_turn_and_the_target_continues_it(tiny_lm):
     assert [r.turns[0][len(prefix):].strip() for r in steered] != [r.turns[0] for r in plain]
 
 
-def test_starts_vary_the_steer_by_row_and_a_progress_file_keeps_them(tiny_lm, tmp_path):
+def test_starts_vary_the_steer_by_row_and_a_progress_file_keeps_them(tiny_lm, tmp_path, unchecked):
     kw = dict(max_new_tokens=12, batch_size=4, seed=7, user_prefix="Q: ")
     out = self_generated_prompts(tiny_lm, 8, starts=["Tom has", "A bakery", "Ann"], **kw)
     assert len(out) == 8
