@@ -166,7 +166,7 @@ def measure(args, sets, temps, out: Path) -> None:
         meta["minutes"] = sum(meta["jobs"].values())
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     if (out / "reproduction.json").is_file():  # a verdict on a table measured again no longer holds
-        _write_checked_rows(out, checked_rows(out, drop=[(s, t) for s in sets for t in temps]))
+        _write_checked_rows(out, checked_rows(out, drop=[tuple(x) for x in pairs]))
 
 
 def _ar_speeds(out: Path, pairs: list[list]) -> list[float | None]:
