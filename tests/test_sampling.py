@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from treespark_jax.sampling import processed_logprobs, sample_token
+from treespark_jax.sampling import processed_logprobs, sample_token, vocab_argmax
 
 
 def reference(logits, temperature, top_p):
@@ -42,3 +42,20 @@ def test_greedy_is_argmax_and_sampling_follows_the_processed_distribution():
     counts = np.bincount(draws, minlength=5)[:3]
     chi2 = np.sum((counts - n * expected[:3]) ** 2 / (n * expected[:3]))
     assert chi2 < stats.chi2.ppf(1 - 1e-3, df=2)
+
+
+@pytest.mark.parametrize("shape", [(3, 49152), (2, 3, 4096), (5, 1000), (4, 151936), (2, 7), (1, 64 * 17)])
+def test_vocab_argmax_is_jnp_argmax_with_its_first_maximum_and_nan_rule(shape):
+    """Block-wise or padded (V with no power-of-two divisor ≥ 64), the index is jnp.argmax's: the
+    first of tied maxima (placed in different blocks and in one), the first NaN, -inf rows."""
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape).astype(np.float32)
+    v = shape[-1]
+    x[..., 0, v // 3] = x[..., 0, v - 1] = 9.0            # a tie across blocks: the first wins
+    x[..., -1, v // 2] = x[..., -1, v // 2 + 1] = 9.0      # a tie inside a block
+    if shape[-2] > 2:
+        x[..., 1, v - 2] = x[..., 1, 1] = np.nan           # NaN is jnp.argmax's maximum
+        x[..., 2, :] = -np.inf                             # every entry -inf: index 0
+    got = np.asarray(jax.jit(vocab_argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))

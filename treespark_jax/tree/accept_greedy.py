@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from treespark_jax.sampling import vocab_argmax
 from treespark_jax.tree.acceptance import Acceptance, acceptance_from_path
 from treespark_jax.tree.arrays import DraftTree
 from treespark_jax.typing import Array, Float, Int
@@ -51,7 +52,7 @@ def accept_greedy(tree: DraftTree, logits: Float[Array, "B T V"], max_depth: int
       The rows' ``Acceptance``.
     """
     budget = tree.budget
-    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, N + 1]
+    top = vocab_argmax(logits)  # [B, N + 1]
     real = tree.valid & (tree.depths >= 1) & (tree.depths <= max_depth)
     parent_top = jnp.take_along_axis(top, jnp.clip(tree.parents + 1, 0, budget), axis=1)
     match = real & (tree.tokens == parent_top)
