@@ -12,8 +12,10 @@ over the inner dimension in order with one fused multiply-add per term, so a row
 not depend on how many rows share the call: a one-row decode step and a verify call compute
 the same numbers for the same row.
 
-Everything else keeps XLA's matmul: more rows (a prefill), other backends, a current mesh,
-dtypes other than float32, and a machine where the compile fails (one warning says why).
+A prefill runs through the kernel too (it was faster than XLA's matmul at every row count
+measured, up to ``MAX_ROWS``). Everything else keeps XLA's matmul: more rows, other backends, a
+current mesh, dtypes other than float32, and a machine where the compile fails (one warning says
+why).
 ``TREESPARK_CPU_KERNELS=off`` turns the kernel off (read when a program is traced).
 """
 
@@ -34,7 +36,9 @@ from treespark_jax.typing import Array, Float
 SOURCE = Path(__file__).with_name("small_matmul.cc")
 TARGET = "treespark_packed_matmul"
 TILE = 32  # columns per packed tile
-MAX_ROWS = 128  # rows of a call above which XLA's matmul is used (experiments/bench_matmul.py measured up to 128)
+# rows of a call above which XLA's matmul is used: the kernel was faster at every size measured, up to
+# 16,384 rows (a prefill of 32 prompts of 256 tokens is 8,192; experiments/bench_matmul.py, docs/cost_model.md)
+MAX_ROWS = 16384
 # no -ffast-math: the sums keep their order (each row's result the same whatever rows share a call);
 # -ffp-contract=fast makes every multiply-add one fused instruction under -std=c++17 too
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-pthread", "-w")
