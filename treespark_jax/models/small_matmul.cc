@@ -30,6 +30,7 @@ constexpr int64_t kRowBlock = 8;       // rows whose 16 accumulators are held wh
 constexpr int64_t kMaxThreads = 8;
 constexpr int64_t kParallelWork = 1 << 18;  // weights (K·N) of a call below which one thread runs it
 constexpr int64_t kItemWeights = 1 << 16;   // weights per work item, about (whole tiles)
+constexpr int64_t kRowChunk = 2048;          // rows multiplied together (a prefill's x read from the cache)
 
 inline v16 Load(const float* p) {
   v16 x;
@@ -81,15 +82,20 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const int64_t items = (J + per_item - 1) / per_item;
   const int64_t threads =
       K * N < kParallelWork ? 1 : std::clamp<int64_t>(std::min(items, max_threads), 1, kMaxThreads);
-  treespark::ShareItems(pool, items, threads, [=]() {
-    return [=](int64_t item) {
-      for (int64_t j = item * per_item; j < std::min(J, (item + 1) * per_item); ++j) {
-        for (int64_t r = 0; r < M; r += kRowBlock) {
-          kTileFns[std::min(kRowBlock, M - r)](xs + r * K, K, ws + j * K * kTile, ys + r * N + j * kTile, N);
+  // Rows in chunks of kRowChunk, one after the other: each work item reads its chunk of x once per
+  // tile, and a chunk stays in the cache where a whole prefill's x would be read from memory.
+  for (int64_t r0 = 0; r0 < M; r0 += kRowChunk) {
+    const int64_t r1 = std::min(M, r0 + kRowChunk);
+    treespark::ShareItems(pool, items, threads, [=]() {
+      return [=](int64_t item) {
+        for (int64_t j = item * per_item; j < std::min(J, (item + 1) * per_item); ++j) {
+          for (int64_t r = r0; r < r1; r += kRowBlock) {
+            kTileFns[std::min(kRowBlock, r1 - r)](xs + r * K, K, ws + j * K * kTile, ys + r * N + j * kTile, N);
+          }
         }
-      }
-    };
-  });
+      };
+    });
+  }
   return ffi::Error::Success();
 }
 
