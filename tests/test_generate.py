@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from treespark_jax.decode import programs
-from treespark_jax.decode.buckets import RequestShape
+from treespark_jax.decode.buckets import RequestShape, prompt_bucket
 from treespark_jax.decode.engine import Engine
 from treespark_jax.decode.prefill import prefill_mask
 from treespark_jax.models.kv_cache import KVCache
@@ -94,6 +94,13 @@ def test_a_session_compiles_once_per_request_shape_whatever_the_lengths(model):
     # (prompt, output) buckets 16/32, 32/32, 16/64, 16/16 share a 128-slot cache, whose loop
     # only the output bucket tells apart; the 128-token prompt bucket needs a 256-slot cache.
     assert (len(shapes), len(loops)) == (5, 4)
+
+
+def test_prompt_buckets_are_powers_of_two_then_half_octaves_above_128():
+    """What the README states: a power of two of at least 16, above 128 tokens also three quarters of one."""
+    got = {n: prompt_bucket(n) for n in (1, 16, 17, 100, 128, 129, 161, 192, 193, 256, 257, 384, 385, 700)}
+    assert got == {1: 16, 16: 16, 17: 32, 100: 128, 128: 128, 129: 192, 161: 192, 192: 192, 193: 256, 256: 256,
+                   257: 384, 384: 384, 385: 512, 700: 768}
 
 
 def test_warmup_compiles_ahead_so_requests_do_not(model):
