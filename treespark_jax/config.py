@@ -13,6 +13,9 @@ import jax.numpy as jnp
 
 
 MAX_BUDGET = 1024
+ROLLOUT_BATCH_SIZE = 64
+"""Prompts per generation batch of a rollout (``rollouts.writer.RolloutSettings``, ``treespark rollout
+--batch-size``): on the 2-core CPU 3.2× the rollout of commit e910eea at 64, 2.8× at 32 (docs/training.md)."""
 """Largest tree budget N accepted (drafted nodes per round). One round verifies N + 1 rows
 against the whole KV cache; a budget of 100,000 asked the CPU for a terabyte before it failed."""
 

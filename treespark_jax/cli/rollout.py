@@ -7,6 +7,7 @@ import argparse
 from treespark_jax.cli.common import (add_mesh_arg, add_sampling_args, add_target_args, check_at_least,
                                       check_drafter_path, check_out_dir, comma_list, generation_config, named_by_flag,
                                       path_arg, target_name)
+from treespark_jax.config import ROLLOUT_BATCH_SIZE
 from treespark_jax.methods import DEFAULT_BUDGET, DRAFTER_METHODS
 
 
@@ -31,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ro.add_argument("--max-new-tokens", type=int, default=256, help="cap on response tokens per prompt")
     add_sampling_args(ro)
     ro.add_argument("--seed", type=int, default=0, help="base seed (each prompt's seed derives from it)")
-    ro.add_argument("--batch-size", type=int, default=32,
+    ro.add_argument("--batch-size", type=int, default=ROLLOUT_BATCH_SIZE,
                     help="prompts per generation batch and per shard (rows moved to smaller batches as they finish)")
     ro.add_argument("--drafter", default=None, metavar="PATH", type=path_arg,
                     help="generate speculatively with this drafter checkpoint (or 'random')")

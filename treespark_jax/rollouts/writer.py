@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from treespark_jax.config import default_layer_ids, tree_temperature
+from treespark_jax.config import ROLLOUT_BATCH_SIZE, default_layer_ids, tree_temperature
 from treespark_jax.decode import buckets
 from treespark_jax.decode.engine import Engine, check_sampling
 from treespark_jax.decode.plan import Speculation
@@ -87,7 +87,7 @@ class RolloutSettings:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    batch_size: int = 32
+    batch_size: int = ROLLOUT_BATCH_SIZE
     method: str = "ar"
     budget: int | None = None
     drafter: str | None = None
