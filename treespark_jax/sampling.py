@@ -57,8 +57,15 @@ def vocab_argmax(x: Float[Array, "... V"]) -> Int[Array, "..."]:
     the same index (the first maximum; NaN counts as the largest, the first NaN wins), but XLA's
     CPU backend reduces plain maxima much faster than the index-carrying reduction of an argmax:
     on ``[32, 49152]`` float32 0.48 ms against 3.2 ms, on ``[1, 33, 49152]`` 0.44 against 3.4, on
-    ``[1, 49152]`` 0.04 against 0.22 (2-core AMD EPYC, jax 0.10.2). Blocks are the largest power of two up to ``ARGMAX_BLOCK`` that
-    divides ``V``; a ``V`` with no such divisor of at least 64 is padded with ``-inf``.
+    ``[1, 49152]`` 0.04 against 0.22 (2-core AMD EPYC, jax 0.10.2; docs/cost_model.md). Blocks are
+    the largest power of two up to ``ARGMAX_BLOCK`` that divides ``V``; a ``V`` with no such divisor
+    of at least 64 is padded with ``-inf``.
+
+    Args:
+      x: ``[..., V]`` float.
+
+    Returns:
+      ``[...]`` int32 indices into the last axis.
     """
     v = x.shape[-1]
     block = ARGMAX_BLOCK
