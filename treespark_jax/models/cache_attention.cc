@@ -196,11 +196,10 @@ void HeadAttention(const float* __restrict q, const float* __restrict keys, cons
   }
   for (int64_t r0 = 0; r0 < R;) {
     const int64_t rows = std::min(R - r0, kWideRows);
-    if (rows > 3) {
-      WeightedValues<V, kC, kWideRows>(scores + r0 * np, np, values, n, C, rows, [&](int64_t i) { return out + at(r0 + i); });
-    } else {
-      WeightedValues<V, kC, 3>(scores + r0 * np, np, values, n, C, rows, [&](int64_t i) { return out + at(r0 + i); });
-    }
+    const auto out_row = [&, r0](int64_t i) { return out + at(r0 + i); };
+    const auto weighted = rows > 3 ? WeightedValues<V, kC, kWideRows, decltype(out_row)>
+                                   : WeightedValues<V, kC, 3, decltype(out_row)>;
+    weighted(scores + r0 * np, np, values, n, C, rows, out_row);
     r0 += rows;
   }
 }
@@ -239,10 +238,10 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       row_extent[b] = std::max(row_extent[b], last);
     }
   }
-  const auto run = kWide && E % 16 == 0
-                       ? (E == 64 ? HeadAttention<v16, 4> : E == 128 ? HeadAttention<v16, 8> : HeadAttention<v16, 0>)
-                       : (E == 64 ? HeadAttention<v8, 8> : E == 128 ? HeadAttention<v8, 16> : HeadAttention<v8, 0>);
-  const int64_t C = E / (kWide && E % 16 == 0 ? 16 : 8);  // vectors per head row
+  const bool wide = kWide && E % 16 == 0;
+  const auto run = wide ? (E == 64 ? HeadAttention<v16, 4> : E == 128 ? HeadAttention<v16, 8> : HeadAttention<v16, 0>)
+                        : (E == 64 ? HeadAttention<v8, 8> : E == 128 ? HeadAttention<v8, 16> : HeadAttention<v8, 0>);
+  const int64_t C = E / (wide ? 16 : 8);  // vectors per head row
   treespark::ShareItems(pool, items, threads, [&]() {
     return [&, queries = std::vector<float>(static_cast<size_t>(kRowChunk * E)),
             scores = std::vector<float>(static_cast<size_t>(kRowChunk * np))](int64_t item) mutable {
