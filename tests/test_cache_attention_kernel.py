@@ -74,6 +74,54 @@ def test_a_query_row_with_no_allowed_slot_gets_zeros():
     np.testing.assert_allclose(got[0, 0], attention(q, k[0], v[0], mask)[0, 0], rtol=2e-5, atol=2e-6)
 
 
+def verify_mask(seed, b, rows, s, extent, shared):
+    """A verify call's mask: every slot below ``extent - rows`` allowed, then a random causal tree over
+    the last ``rows`` slots (each row its own slot and some of those before it), nothing after."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((b, 1 if shared else rows, s), bool)
+    mask[:, :, :extent - rows] = True
+    tree = np.tril(rng.random((b, rows, rows)) < 0.6) | np.eye(rows, dtype=bool)
+    mask[:, :, extent - rows:extent] = tree[:, -1:] if shared else tree
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("rows, h, kv, extent, shared", [
+    (9, 9, 3, 1033, False),  # SmolLM2's 9-row verify at context 1,024: 27 rows a kv head, in one chunk
+    (33, 9, 3, 600, False),  # 99 rows a kv head: chunks of 25, which start inside a query's heads
+    (8, 8, 2, 700, True),    # 32 rows a kv head under one shared mask
+    (5, 9, 3, 900, False),   # 15 rows a kv head: the dot-product scores of a few rows
+])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_work_shared_between_threads_equals_dense_attention(rows, h, kv, extent, shared, threads):
+    # with 2 to 8 threads a call splits a kv head's slots into ranges, or its rows into chunks, and
+    # merges the ranges' partial softmaxes; blocks past the first are all allowed (the vectorised softmax)
+    b, e, s = 1, 64, 1100
+    q, (k, v), (k_nan, v_nan), _ = operands(rows + h, b, rows, h, kv, e, s, 1, extent, shared)
+    mask = verify_mask(rows, b, rows, s, extent, shared)
+    got = kernel.kernel_attention(q, k_nan, v_nan, 0, mask, jnp.int32(extent), threads=threads)
+    np.testing.assert_allclose(got, attention(q, k[0], v[0], mask), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows, threads", [(9, 2), (33, 2), (33, 1)])
+def test_a_slot_masked_for_one_query_alone_is_masked_for_its_rows(rows, threads):
+    # the vectorised softmax runs only where a block is allowed for every query of a chunk: each
+    # query in turn has one masked slot (in a block all allowed for the others)
+    q, (k, v), (k_nan, v_nan), _ = operands(rows, 1, rows, 9, 3, 64, 700, 1, 640, False)
+    base = verify_mask(rows, 1, rows, 700, 640, False)
+    for t in range(rows):
+        mask = base.at[0, t, 7 + 13 * t].set(False)
+        got = kernel.kernel_attention(q, k_nan, v_nan, 0, mask, jnp.int32(640), threads=threads)
+        np.testing.assert_allclose(got, attention(q, k[0], v[0], mask), rtol=2e-5, atol=2e-6)
+
+
+def test_a_row_with_no_allowed_slot_gets_zeros_when_its_slots_are_split_between_threads():
+    q, (k, v), _, _ = operands(2, 1, 9, 9, 3, 64, 1100, 1, 1033, False)
+    mask = verify_mask(2, 1, 9, 1100, 1033, False).at[0, 4].set(False)
+    got = kernel.kernel_attention(q, k, v, 0, mask, jnp.int32(1033), threads=2)
+    np.testing.assert_array_equal(got[0, 4], 0.0)
+    np.testing.assert_allclose(got, attention(q, k[0], v[0], mask).at[0, 4].set(0.0), rtol=2e-5, atol=2e-6)
+
+
 def test_the_decoder_runs_the_kernel_in_float32_and_matches_xla_attention(monkeypatch):
     model = tiny_decoder("qwen3", seed=3, dtype=jnp.float32)
     capacity, lengths = 96, (10, 70)

@@ -56,8 +56,12 @@ def kernel_applies(q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"]) -> 
 
 
 def kernel_attention(q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"], v: Float[Array, "L B K S E"],
-                     layer: int, mask: Bool[Array, "B #T S"], extent: Int[Array, ""]) -> Float[Array, "B T H E"]:
+                     layer: int, mask: Bool[Array, "B #T S"], extent: Int[Array, ""],
+                     threads: int | None = None) -> Float[Array, "B T H E"]:
     """``block_attention``'s result by the kernel (same arguments and contract; float32 only,
-    ``kernel_applies`` true). A query row with no allowed slot below ``extent`` gets zeros."""
+    ``kernel_applies`` true). A query row with no allowed slot below ``extent`` gets zeros.
+    ``threads``: the most threads a call shares its work between (default: the process's cores,
+    ``cpu_kernels.cores()``; the kernel uses at most 8)."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
-    return call(q, k, v, mask, jnp.asarray(extent, jnp.int32), layer=np.int64(layer), threads=np.int64(cpu_kernels.cores()))
+    threads = cpu_kernels.cores() if threads is None else threads
+    return call(q, k, v, mask, jnp.asarray(extent, jnp.int32), layer=np.int64(layer), threads=np.int64(threads))
