@@ -214,22 +214,21 @@ inline void WeightedValues(const float* __restrict probs, int64_t row_stride, in
   for (int64_t i = 0; i < rows; ++i) std::memcpy(o + i * E, acc[i], E * sizeof(float));
 }
 
-// The online-softmax step of one row over a block's n scores (`step` floats apart; 1 vectorises): masked
-// slots set to kMasked, then exp(score − new maximum) in place; updates the row's m and l and sets
-// alpha = exp(m_old − m_new), the factor its outputs so far are rescaled by. While no allowed slot
-// is seen m stays kMasked and exp(0) = 1 counts masked slots; the first allowed one makes alpha
-// exp(kMasked − score) = 0, which drops them.
-template <int64_t step>
+// The online-softmax step of one row over a block's n scores: masked slots set to kMasked, then
+// exp(score − new maximum) in place; updates the row's m and l and sets alpha = exp(m_old − m_new),
+// the factor its outputs so far are rescaled by. While no allowed slot is seen m stays kMasked and
+// exp(0) = 1 counts masked slots; the first allowed one makes alpha exp(kMasked − score) = 0, which
+// drops them.
 inline void SoftmaxStep(float* __restrict row, const bool* __restrict allowed, int64_t n, float& m, float& l,
                         float& alpha) {
   // separate loops: GCC leaves a fused select-and-maximum loop scalar
-  for (int64_t s = 0; s < n; ++s) row[s * step] = allowed[s] ? row[s * step] : kMasked;
+  for (int64_t s = 0; s < n; ++s) row[s] = allowed[s] ? row[s] : kMasked;
   float top = m;
-  for (int64_t s = 0; s < n; ++s) top = std::max(top, row[s * step]);
+  for (int64_t s = 0; s < n; ++s) top = std::max(top, row[s]);
   float total = 0.0f;
   for (int64_t s = 0; s < n; ++s) {
-    row[s * step] = std::exp(row[s * step] - top);
-    total += row[s * step];
+    row[s] = std::exp(row[s] - top);
+    total += row[s];
   }
   alpha = std::exp(m - top);
   l = l * alpha + total;
@@ -258,8 +257,8 @@ inline v16 Exp16(v16 x) {
 }
 
 // The online-softmax step of kLaneRows rows at once over a block's key-major scores [n, kLaneRows]
-// (`LaneScores`), on 16-float vectors across the rows' lanes; as `SoftmaxStep`, for a block where
-// every slot is allowed for every row.
+// (`LaneScores`, masked slots already kMasked), on 16-float vectors across the rows' lanes; as
+// `SoftmaxStep`.
 inline void LaneSoftmaxStep(float* __restrict scores, int64_t n, float* __restrict m, float* __restrict l,
                             float* __restrict alpha) {
   constexpr int64_t NV = kLaneRows / 16;
@@ -326,20 +325,22 @@ void RangeAttention(const float* __restrict q, const float* __restrict keys, con
     const int64_t row_stride = lanes ? 1 : np, key_stride = lanes ? kLaneRows : 1;
     if (lanes) {
       LaneScores(queries, keys + s0 * E, scores, n, E, values + s0 * E);
+      // kMasked where a row's query masks a slot: first the slots some query of the chunk masks (a
+      // verify's tree, a batch row's padding), in a loop GCC vectorises, then those slots' rows
+      unsigned char masked[kKeyBlock] = {};
+      for (int64_t t = first / G; t <= (first + R - 1) / G; ++t) {
+        const bool* __restrict row = mask + (Tm == 1 ? 0 : t) * S + s0;
+        for (int64_t s = 0; s < n; ++s) masked[s] |= static_cast<unsigned char>(!row[s]);
+      }
+      for (int64_t s = 0; s < n; ++s) {
+        for (int64_t r = 0; r < R && masked[s]; ++r) {
+          if (!allowed(r)[s0 + s]) scores[s * kLaneRows + r] = kMasked;
+        }
+      }
+      LaneSoftmaxStep(scores, n, m, l, alpha);
     } else {
       Scores<V, kC>(queries, keys + s0 * E, scores, R, n, np, C);
-    }
-    // each query's mask row once (its G rows share it), in a loop without an early exit, which GCC vectorises
-    unsigned char all_allowed = lanes;
-    for (int64_t t = first / G; t <= (first + R - 1) / G && all_allowed; ++t) {
-      const bool* __restrict row = mask + (Tm == 1 ? 0 : t) * S + s0;
-      for (int64_t s = 0; s < n; ++s) all_allowed &= static_cast<unsigned char>(row[s]);
-    }
-    if (!all_allowed) {
-      const auto step = lanes ? SoftmaxStep<kLaneRows> : SoftmaxStep<1>;
-      for (int64_t r = 0; r < R; ++r) step(scores + r * row_stride, allowed(r) + s0, n, m[r], l[r], alpha[r]);
-    } else {
-      LaneSoftmaxStep(scores, n, m, l, alpha);
+      for (int64_t r = 0; r < R; ++r) SoftmaxStep(scores + r * np, allowed(r) + s0, n, m[r], l[r], alpha[r]);
     }
     for (int64_t r0 = 0; r0 < R;) {
       const int64_t rows = std::min(R - r0, kWideRows);
