@@ -38,6 +38,17 @@ def leading(layer, width, q, k, v, mask):
     return attention(q, k[layer, :, :, :width], v[layer, :, :, :width], mask[:, :, :width])
 
 
+def random_cell(cell: str, capacity: int, rng: np.random.Generator):
+    """``BATCHxROWSxKEYS`` → ``(batch, rows, keys, q, k, v)``: random float32 queries ``[B, T, H, E]``
+    and a random head-major cache ``[L, B, K, capacity, E]`` of keys and values."""
+    b, t, s = (int(x) for x in cell.split("x"))
+    shape = (LAYERS, b, KV_HEADS, capacity, HEAD_DIM)
+    k = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, t, KV_HEADS * GROUP, HEAD_DIM)), jnp.float32)
+    return b, t, s, q, k, v
+
+
 def modes(capacity):
     """name → jitted ``(q, k, v, mask, keys) → [outputs of every layer]``."""
     def width(q, k, v, mask, keys):
@@ -69,12 +80,8 @@ def main() -> None:
           f"median / min ms of {args.repeats} interleaved repeats")
     print(f"{'batch':>5} {'rows':>5} {'keys':>6}" + "".join(f"{m:>18}" for m in fns))
     for cell in args.cells.split(","):
-        b, t, s = (int(x) for x in cell.split("x"))
-        shape = (LAYERS, b, KV_HEADS, args.capacity, HEAD_DIM)
-        k = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-        v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        b, t, s, q, k, v = random_cell(cell, args.capacity, rng)
         ks, vs = [k[i, :, :, :s] + 0 for i in range(LAYERS)], [v[i, :, :, :s] + 0 for i in range(LAYERS)]
-        q = jnp.asarray(rng.standard_normal((b, t, KV_HEADS * GROUP, HEAD_DIM)), jnp.float32)
         mask = jnp.asarray((rng.random((b, t, args.capacity)) < 0.9) & (np.arange(args.capacity) < s)).at[:, :, 0].set(True)
         inputs = {"leading width": (q, k, v, mask, jnp.int32(s)), "key blocks": (q, k, v, mask, jnp.int32(s)),
                   "exact arrays": (q, ks, vs, mask)}

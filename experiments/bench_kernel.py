@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_attention import LAYERS, random_cell
 from treespark_jax.bench.profile import interleaved_seconds
 from treespark_jax.models import cache_attention, cpu_kernels
 from treespark_jax.models.layers import attention
 
-LAYERS, KV_HEADS, HEADS, HEAD_DIM = 30, 3, 9, 64
 FOLDER = "treespark_jax/models"
 
 
@@ -83,11 +83,7 @@ def main() -> None:
           f"{args.repeats} interleaved repeats")
     print(f"{'batch':>5} {'rows':>5} {'keys':>6}" + "".join(f"{name:>18}" for name in targets))
     for cell in args.cells.split(","):
-        b, t, s = (int(x) for x in cell.split("x"))
-        shape = (LAYERS, b, KV_HEADS, args.capacity, HEAD_DIM)
-        k = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-        v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-        q = jnp.asarray(rng.standard_normal((b, t, HEADS, HEAD_DIM)), jnp.float32)
+        b, t, s, q, k, v = random_cell(cell, args.capacity, rng)
         # every slot below the call's own rows visible, a causal tree of the call's rows
         tree = np.tril(rng.random((b, t, t)) < 0.6) | np.eye(t, dtype=bool)
         mask = np.zeros((b, t, args.capacity), bool)
