@@ -69,6 +69,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--json-out", default="experiments/results/bench_kernel.json")
     args = parser.parse_args()
+    known = subprocess.run(["git", "cat-file", "-e", f"{args.against}:{FOLDER}/cache_attention.cc"], capture_output=True)
+    if known.returncode:
+        parser.error(f"--against {args.against}: no commit of this repository with {FOLDER}/cache_attention.cc.")
 
     assert cache_attention.kernel_available(), "the kernel of this tree could not be built"
     baseline = "treespark_cache_attention_baseline"

@@ -66,6 +66,13 @@ def test_each_batch_row_reads_only_up_to_its_own_last_allowed_slot():
     np.testing.assert_allclose(got, attention(q, k[0], v[0], mask), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("threads", [0, -2])
+def test_fewer_than_one_thread_is_refused(threads):
+    q, (k, v), _, mask = operands(0, 1, 2, 4, 2, 16, 40, 1, 40, False)
+    with pytest.raises(ValueError, match=f"threads must be at least 1, got {threads}"):
+        kernel.kernel_attention(q, k, v, 0, mask, jnp.int32(40), threads=threads)
+
+
 def test_a_query_row_with_no_allowed_slot_gets_zeros():
     q, (k, v), _, mask = operands(0, 1, 2, 4, 2, 16, 40, 1, 40, False)
     mask = mask.at[0, 1].set(False)

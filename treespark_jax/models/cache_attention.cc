@@ -405,7 +405,7 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const auto run = wide ? (E == 64 ? RangeAttention<v16, 4> : E == 128 ? RangeAttention<v16, 8> : RangeAttention<v16, 0>)
                         : (E == 64 ? RangeAttention<v8, 8> : E == 128 ? RangeAttention<v8, 16> : RangeAttention<v8, 0>);
   const int64_t C = E / (wide ? 16 : 8);  // vectors per head row
-  // Each item's m [rows], l [rows] and o [rows, E], merged below.
+  // Each item's m [rows], l [rows] and o [rows, E], for the merge.
   const auto part_m = Scratch(items * rows), part_l = Scratch(items * rows), part_o = Scratch(items * rows * E);
   const auto span = [&](int64_t b, int64_t split) {  // slots [begin, end) of a split of row b's slots, 8-aligned
     const int64_t step = (row_extent[b] + splits * 8 - 1) / (splits * 8) * 8;

@@ -61,7 +61,16 @@ def kernel_attention(q: Float[Array, "B T H E"], k: Float[Array, "L B K S E"], v
     """``block_attention``'s result by the kernel (same arguments and contract; float32 only,
     ``kernel_applies`` true). A query row with no allowed slot below ``extent`` gets zeros.
     ``threads``: the most threads a call shares its work between (default: the process's cores,
-    ``cpu_kernels.cores()``; the kernel uses at most 8)."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
+    ``cpu_kernels.cores()``; the kernel uses at most 8).
+
+    Raises:
+      ValueError: ``threads`` below 1.
+      RuntimeError: the kernel could not be built on this machine (``kernel_available`` false).
+    """
     threads = cpu_kernels.cores() if threads is None else threads
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}.")
+    if not kernel_available():  # builds and registers the kernel on the first call
+        raise RuntimeError("the CPU attention kernel could not be built on this machine (see the warning above).")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
     return call(q, k, v, mask, jnp.asarray(extent, jnp.int32), layer=np.int64(layer), threads=np.int64(threads))
