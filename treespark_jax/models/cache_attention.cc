@@ -70,6 +70,12 @@ inline V Load(const float* p) {
 template <typename V>
 constexpr int64_t kLanes = sizeof(V) / sizeof(float);
 
+// Query row r of kv head h's group (query r / G, head h·G + r % G): its offset in q or the result
+// [T, H, E] of one batch row.
+inline int64_t RowOffset(int64_t r, int64_t G, int64_t H, int64_t h, int64_t E) {
+  return ((r / G) * H + h * G + r % G) * E;
+}
+
 // Uninitialised scratch memory (a std::vector would zero it on every call).
 inline std::unique_ptr<float[]> Scratch(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
 
@@ -307,10 +313,10 @@ void RangeAttention(const float* __restrict q, const float* __restrict keys, con
   const int64_t C = kC ? kC : c_runtime, E = W * C;
   const bool lanes = W == 16 && 2 * R >= kLaneRows;
   const float scale = 1.0f / std::sqrt(static_cast<float>(E));
-  const auto allowed = [&](int64_t r) { return mask + (Tm == 1 ? 0 : (first + r) / G) * S; };
+  const auto query_mask = [&](int64_t t) { return mask + (Tm == 1 ? 0 : t) * S; };  // query t's slots
   std::fill(queries, queries + kLaneRows * E, 0.0f);
   for (int64_t i = 0; i < R; ++i) {  // [R, E], or transposed [E, kLaneRows] for LaneScores
-    const float* __restrict row = q + (((first + i) / G) * H + h * G + (first + i) % G) * E;
+    const float* __restrict row = q + RowOffset(first + i, G, H, h, E);
     for (int64_t e = 0; e < E; ++e) queries[lanes ? e * kLaneRows + i : i * E + e] = row[e] * scale;
   }
   std::fill(m, m + kLaneRows, kMasked);
@@ -329,18 +335,20 @@ void RangeAttention(const float* __restrict q, const float* __restrict keys, con
       // verify's tree, a batch row's padding), in a loop GCC vectorises, then those slots' rows
       unsigned char masked[kKeyBlock] = {};
       for (int64_t t = first / G; t <= (first + R - 1) / G; ++t) {
-        const bool* __restrict row = mask + (Tm == 1 ? 0 : t) * S + s0;
+        const bool* __restrict row = query_mask(t) + s0;
         for (int64_t s = 0; s < n; ++s) masked[s] |= static_cast<unsigned char>(!row[s]);
       }
       for (int64_t s = 0; s < n; ++s) {
         for (int64_t r = 0; r < R && masked[s]; ++r) {
-          if (!allowed(r)[s0 + s]) scores[s * kLaneRows + r] = kMasked;
+          if (!query_mask((first + r) / G)[s0 + s]) scores[s * kLaneRows + r] = kMasked;
         }
       }
       LaneSoftmaxStep(scores, n, m, l, alpha);
     } else {
       Scores<V, kC>(queries, keys + s0 * E, scores, R, n, np, C);
-      for (int64_t r = 0; r < R; ++r) SoftmaxStep(scores + r * np, allowed(r) + s0, n, m[r], l[r], alpha[r]);
+      for (int64_t r = 0; r < R; ++r) {
+        SoftmaxStep(scores + r * np, query_mask((first + r) / G) + s0, n, m[r], l[r], alpha[r]);
+      }
     }
     for (int64_t r0 = 0; r0 < R;) {
       const int64_t rows = std::min(R - r0, kWideRows);
@@ -414,11 +422,18 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   // The items of a group still running; the one that finishes a group merges its ranges: o = Σ o_i·exp(m_i
   // − M) / Σ l_i·exp(m_i − M) per row, M the largest m_i. A row with no allowed slot has every m_i =
   // kMasked (so M too): zeros, not a mean of values.
+  struct Group {
+    int64_t b, h, first, rows;  // batch row, kv head, first query row of the chunk, its rows
+  };
+  const auto group_of = [&](int64_t group) {
+    const int64_t first = group % chunks * rows;
+    return Group{group / (KV * chunks), group / chunks % KV, first, std::min(rows, R - first)};
+  };
   const auto pending = std::make_unique<std::atomic<int64_t>[]>(groups);
   for (int64_t group = 0; group < groups; ++group) pending[group] = splits;
   const auto merge = [&](int64_t group) {
-    const int64_t b = group / (KV * chunks), h = group / chunks % KV, first = group % chunks * rows;
-    for (int64_t i = 0; i < std::min(rows, R - first); ++i) {
+    const Group g = group_of(group);
+    for (int64_t i = 0; i < g.rows; ++i) {
       const int64_t at = group * splits * rows + i;  // this row's entry of the group's first item
       float top = kMasked, total = 0.0f, weight[kMaxSplits];
       for (int64_t j = 0; j < splits; ++j) top = std::max(top, part_m[at + j * rows]);
@@ -427,8 +442,7 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
         total += weight[j] * part_l[at + j * rows];
       }
       const float inv = top > kMasked ? 1.0f / total : 0.0f;
-      const int64_t r = first + i;
-      float* __restrict dst = out->typed_data() + ((b * T + r / G) * H + h * G + r % G) * E;
+      float* __restrict dst = out->typed_data() + g.b * T * H * E + RowOffset(g.first + i, G, H, g.h, E);
       std::fill(dst, dst + E, 0.0f);
       for (int64_t j = 0; j < splits; ++j) {
         const float* __restrict o = part_o.get() + (at + j * rows) * E;
@@ -439,11 +453,12 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   treespark::ShareItems(pool, items, std::min(threads, items), [&]() {
     return [&, queries = Scratch(kLaneRows * E), scores = Scratch(kLaneRows * kKeyBlock),
             running = Scratch(3 * kLaneRows)](int64_t item) mutable {
-      const int64_t group = item / splits, b = group / (KV * chunks), h = group / chunks % KV;
-      const int64_t first = group % chunks * rows, head = ((layer * B + b) * KV + h) * S * E;
-      const auto [begin, end] = span(b, item % splits);
-      run(q.typed_data() + b * T * H * E, k.typed_data() + head, v.typed_data() + head,
-          mask.typed_data() + b * Tm * S, H, G, h, first, std::min(rows, R - first), S, Tm, begin, end, C,
+      const int64_t group = item / splits;
+      const Group g = group_of(group);
+      const int64_t head = ((layer * B + g.b) * KV + g.h) * S * E;
+      const auto [begin, end] = span(g.b, item % splits);
+      run(q.typed_data() + g.b * T * H * E, k.typed_data() + head, v.typed_data() + head,
+          mask.typed_data() + g.b * Tm * S, H, G, g.h, g.first, g.rows, S, Tm, begin, end, C,
           part_m.get() + item * rows, part_l.get() + item * rows, part_o.get() + item * rows * E,
           queries.get(), scores.get(), running.get(), running.get() + kLaneRows,
           running.get() + 2 * kLaneRows);
